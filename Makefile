@@ -1,0 +1,35 @@
+# Everything starts from nothing: `make test` and `make demo` build .venv themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install sysdeps test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
+	$(MAKE) sysdeps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# System libraries the RDMA drivers load at run time (installed where we are root).
+sysdeps:
+	@scripts/sysdeps.sh
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
+	$(BIN)/python -m pytest
+
+demo: install
+	$(BIN)/xferkit demo
+
+bench: install
+	$(BIN)/python benchmarks/bench_expand.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

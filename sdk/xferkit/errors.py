@@ -1,0 +1,57 @@
+"""The one error family users meet.
+
+Every message names the object at fault (a region key, a pool, a peer) so that
+a log line alone is enough to find it; a driver's own text is kept verbatim.
+"""
+
+from __future__ import annotations
+
+
+class XferError(Exception):
+    """Base of every error xferkit raises on purpose.
+
+    ``subject`` is the object at fault (a region key, a pool name, a peer), when
+    there is one, so callers can branch on it without parsing the message.
+    ``followups`` holds errors that the first one caused: they are attached,
+    never substituted for it.
+    """
+
+    def __init__(self, message: str, *, subject: object = None) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.followups: list[BaseException] = []
+
+    def attach(self, error: BaseException) -> None:
+        """Record a later error caused by this one, without replacing it."""
+        self.followups.append(error)
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if not self.followups:
+            return text
+        later = "; ".join(f"{type(e).__name__}: {e}" for e in self.followups)
+        return f"{text} (then {len(self.followups)} later error(s) it caused: {later})"
+
+
+class ManifestError(XferError):
+    """A region or manifest that violates an invariant (duplicate key, overlap, ...)."""
+
+
+class PlanError(XferError):
+    """Two manifests that cannot be paired, or a request the plan cannot expand."""
+
+
+class RegistrationError(XferError):
+    """A driver refused to register memory; nothing stays registered."""
+
+
+class BoundsError(XferError):
+    """A descriptor outside the memory registered locally or advertised by the peer."""
+
+
+class TransferError(XferError):
+    """A posted transfer failed; carries the driver's own error text."""
+
+
+class ProtocolError(XferError):
+    """A malformed or unexpected message from a peer."""
