@@ -198,23 +198,18 @@ def _expand_group(g: _Group, src: np.ndarray, dst: np.ndarray, cont: np.ndarray)
         d = g.dst_base[:, None] + dst[starts] * np.uint64(g.dst_stride) + g.pieces.dst[0]
         ln = np.broadcast_to(lengths * np.uint64(g.src_stride), s.shape)
         return Descriptors(s.ravel(), d.ravel(), ln.ravel())
-    s = (
-        g.src_base[:, None, None]
-        + (src * np.uint64(g.src_stride))[None, :, None]
-        + g.pieces.src[None, None, :]
-    )
-    d = (
-        g.dst_base[:, None, None]
-        + (dst * np.uint64(g.dst_stride))[None, :, None]
-        + g.pieces.dst[None, None, :]
-    )
-    ln = np.broadcast_to(g.pieces.nbytes[None, None, :], s.shape)
+    # Offsets within a region first (n*P), then one pass adds each region's base.
+    s_off = (src * np.uint64(g.src_stride))[:, None] + g.pieces.src[None, :]
+    d_off = (dst * np.uint64(g.dst_stride))[:, None] + g.pieces.dst[None, :]
+    s = (g.src_base[:, None] + s_off.ravel()[None, :]).ravel()
+    d = (g.dst_base[:, None] + d_off.ravel()[None, :]).ravel()
+    ln = np.tile(g.pieces.nbytes, g.src_base.size * n)
     if not (g.joins and cont.any()):
-        return Descriptors(s.ravel(), d.ravel(), np.ascontiguousarray(ln).ravel())
+        return Descriptors(s, d, ln)
     # The last piece of slot i joins the first piece of slot i+1 where both advance by one.
-    start = np.ones(s.shape, dtype=bool)
+    start = np.ones((g.src_base.size, n, g.pieces.src.size), dtype=bool)
     start[:, 1:, 0] = ~cont
-    return _compress(s.ravel(), d.ravel(), np.ascontiguousarray(ln).ravel(), start.ravel())
+    return _compress(s, d, ln, start.ravel())
 
 
 def _compress(
