@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(MAKE) sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/loopback
 	touch $(STAMP)
 
 # System libraries the RDMA drivers load at run time (installed where we are root).

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import xferkit as xk
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, TOKENS, BF16 = 80, 8, 128, 64, 8192, 2
@@ -146,7 +145,7 @@ def run(repeat: int) -> list[dict]:
                     "descriptors": len(descs),
                     "per_token_slot": naive,
                     "bytes": descs.total_bytes,
-                    "expand_us": _time(lambda s=slots: p.expand(s), repeat) * 1e6,
+                    "expand_us": _time(lambda s=slots, p=p: p.expand(s), repeat) * 1e6,
                     "plan_ms": plan_s * 1e3,
                 }
             )

@@ -27,14 +27,16 @@ def hybrid_specs(layers: int = 8) -> list[RegionSpec]:
         if layer % 4 == 3:
             for name in ("k", "v"):
                 specs.append(
-                    RegionSpec(
-                        pool="kv", name=name, layer=layer, shape=(16, 4, 32), tp_axis=1
-                    )
+                    RegionSpec(pool="kv", name=name, layer=layer, shape=(16, 4, 32), tp_axis=1)
                 )
             continue
         specs += [
             RegionSpec(
-                pool="state", name="conv", layer=layer, shape=(3, 96), tp_axis=1,
+                pool="state",
+                name="conv",
+                layer=layer,
+                shape=(3, 96),
+                tp_axis=1,
                 tp_groups=(32, 32, 32),
             ),
             RegionSpec(
@@ -90,7 +92,8 @@ def run(
             ok, verdict = False, f"MISMATCH: {exc}"
         if counter.max > 1:
             ok, verdict = False, f"a byte was written {counter.max} times"
-        out(f"decode rank {i}: needs prefill ranks {list(cov.sources)} (planned in {plan_ms:.1f} ms)")
+        needs = list(cov.sources)
+        out(f"decode rank {i}: needs prefill ranks {needs} (planned in {plan_ms:.1f} ms)")
         for line in parts:
             out(f"    {line}")
         out(f"    result: {verdict}; every byte written at most once")

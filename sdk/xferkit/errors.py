@@ -55,3 +55,11 @@ class TransferError(XferError):
 
 class ProtocolError(XferError):
     """A malformed or unexpected message from a peer."""
+
+
+class CapabilityError(XferError):
+    """A request the backend declared it cannot serve, refused before anything is posted."""
+
+
+class PluginError(XferError):
+    """A backend plugin that cannot be found, loaded or trusted (name clash, contract version)."""

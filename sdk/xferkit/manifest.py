@@ -279,7 +279,7 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
     def decode(cls, data: bytes) -> Manifest:
         try:
             return msgspec.msgpack.decode(data, type=cls)
-        except msgspec.ValidationError as exc:
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
             raise ManifestError(f"malformed manifest: {exc}") from exc
 
 

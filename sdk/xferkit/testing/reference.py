@@ -94,11 +94,8 @@ def _region_of(spec: RegionSpec, array: np.ndarray, tp_size: int) -> Region:
         size = spec.shape[spec.tp_axis]
         if slot_shape[spec.tp_axis] * tp_size != size:
             tp_global = size
-    if array.size == 0:
-        # An empty tensor may have any address; the manifest drops it anyway.
-        addr = 0
-    else:
-        addr = array.ctypes.data
+    # An empty tensor may have any address; the manifest drops it anyway.
+    addr = 0 if array.size == 0 else array.ctypes.data
     return Region(
         pool=spec.pool,
         name=spec.name,

@@ -1,0 +1,254 @@
+"""The loopback backend: RDMA semantics (registration, async posts, notifications) on CPU memory.
+
+It is deliberately strict, like a real engine: it refuses zero-length and
+overlapping registrations and checks every descriptor against the memory
+registered on both ends, so tests catch what Mooncake or NIXL would reject.
+Copies run on a worker thread (the C helper releases the GIL); another
+process is written with process_vm_writev; notifications travel as datagrams
+on an abstract unix socket, sent only after the data is in place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import socket
+import threading
+import uuid
+import weakref
+from bisect import bisect_left
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+from xferkit import (
+    Backend,
+    Capabilities,
+    Descriptors,
+    Manifest,
+    Notification,
+    Posted,
+    Region,
+    Status,
+)
+
+from .copy import allow_writers, copy_local, explain, write_remote
+from .faults import Faults
+
+_LIVE: dict[str, weakref.ref[LoopbackBackend]] = {}  # this process's backends, by id
+
+
+class _Blob(msgspec.Struct, frozen=True):
+    pid: int
+    id: str
+    regions: list[tuple[int, int]]  # registered [start, end) at the time of endpoint()
+
+
+class _PeerHandle(NamedTuple):
+    name: str
+    pid: int
+    id: str
+    address: bytes
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+class _Job(Posted):
+    __slots__ = ("_error", "descs", "fail", "notify", "peer", "released", "stall", "status")
+
+    def __init__(self, peer: _PeerHandle, descs: Descriptors, notify: bytes | None) -> None:
+        self.peer, self.descs, self.notify = peer, descs, notify
+        self.status = Status.PENDING
+        self._error = ""
+        self.fail: str | None = None  # injected failure text
+        self.stall = False
+        self.released = threading.Event()
+
+    def poll(self) -> Status:
+        return self.status
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    def release(self) -> None:
+        self.released.set()
+
+    def failed(self, text: str) -> None:
+        self._error = text
+        self.status = Status.FAILED
+
+
+def _address(backend_id: str) -> bytes:
+    return b"\0xferkit-loopback-" + backend_id.encode()
+
+
+def _outside(addrs: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
+    """Index of the first piece not inside one range, or -1."""
+    if not addrs.size:
+        return -1
+    if not starts.size:
+        return 0
+    where = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    ok = (where >= 0) & (addrs + nbytes <= ends[np.maximum(where, 0)])
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else -1
+
+
+class LoopbackBackend(Backend):
+    name = "loopback"
+
+    def __init__(self, *, faults: Faults | None = None, max_batch: int = 0) -> None:
+        super().__init__()
+        self.capabilities = Capabilities(
+            memory=frozenset({"cpu"}), notifications=True, cross_process=True, max_batch=max_batch
+        )
+        self.faults = faults if faults is not None else Faults()
+        self.id = uuid.uuid4().hex[:16]
+        self.peer_name = f"loopback:{os.getpid()}:{self.id}"
+        self._ranges: list[tuple[int, int]] = []  # registered [start, end), sorted
+        self._arrays = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+        self._registrations = itertools.count(1)
+        self._posts = itertools.count(1)
+        self._notes = itertools.count(1)
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(_address(self.id))
+        self._sock.setblocking(False)
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stalled: set[_Job] = set()
+        self._worker = threading.Thread(target=self._run, name=f"xferkit-loopback-{self.id}")
+        self._worker.daemon = True
+        self._worker.start()
+        allow_writers()
+        _LIVE[self.id] = weakref.ref(self)
+
+    # -- registration: refuses what an RDMA engine refuses ----------------
+
+    def _register_region(self, region: Region) -> None:
+        start, end = region.addr, region.addr + region.nbytes
+        if region.nbytes <= 0:
+            raise ValueError("loopback does not support zero length memory region")
+        if next(self._registrations) == self.faults.fail_register_at:
+            raise RuntimeError(f"injected registration failure at [{start:#x}, {end:#x})")
+        with self._lock:
+            i = bisect_left(self._ranges, (start, end))
+            if (i > 0 and self._ranges[i - 1][1] > start) or (
+                i < len(self._ranges) and self._ranges[i][0] < end
+            ):
+                raise ValueError(f"[{start:#x}, {end:#x}) overlaps memory already registered")
+            self._ranges.insert(i, (start, end))
+            self._refresh()
+
+    def _deregister_region(self, region: Region) -> None:
+        with self._lock:
+            try:
+                self._ranges.remove((region.addr, region.addr + region.nbytes))
+            except ValueError:
+                raise ValueError(
+                    f"[{region.addr:#x}, +{region.nbytes}) is not registered"
+                ) from None
+            self._refresh()
+
+    def _refresh(self) -> None:
+        table = np.array(self._ranges, dtype=np.uint64).reshape(-1, 2)
+        self._arrays = (table[:, 0].copy(), table[:, 1].copy())
+
+    # -- peers ---------------------------------------------------------------
+
+    def _endpoint(self) -> bytes:
+        with self._lock:
+            return msgspec.msgpack.encode(_Blob(os.getpid(), self.id, list(self._ranges)))
+
+    def _connect(self, blob: bytes, manifest: Manifest) -> tuple[str, Any]:
+        b = msgspec.msgpack.decode(blob, type=_Blob)
+        table = np.array(b.regions, dtype=np.uint64).reshape(-1, 2)
+        name = f"loopback:{b.pid}:{b.id}"
+        return name, _PeerHandle(name, b.pid, b.id, _address(b.id), table[:, 0], table[:, 1])
+
+    # -- posting ---------------------------------------------------------------
+
+    def _post(self, handle: _PeerHandle, descs: Descriptors, notify: bytes | None) -> Posted:
+        job = _Job(handle, descs, notify)
+        n = next(self._posts)
+        if n == self.faults.fail_post_at:
+            job.fail = f"injected failure of post #{n}"
+        if n == self.faults.stall_post_at:
+            job.stall = True
+        self._queue.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._execute(job)
+            except Exception as exc:  # never let the worker die silently
+                job.failed(f"loopback worker error: {type(exc).__name__}: {exc}")
+
+    def _execute(self, job: _Job) -> None:
+        peer, d = job.peer, job.descs
+        if job.stall:
+            self._stalled.add(job)
+            job.released.wait()
+            self._stalled.discard(job)
+            job.failed("stalled post aborted")
+            return
+        if peer.name in self.faults.dropped_peers:
+            job.failed(f"peer {peer.name} is unreachable (connection dropped)")
+            return
+        if job.fail is not None:
+            job.failed(job.fail)
+            return
+        local = _outside(d.src, d.nbytes, *self._arrays)
+        if local >= 0:
+            job.failed(f"local address {int(d.src[local]):#x} is not registered")
+            return
+        same_process = peer.pid == os.getpid()
+        if same_process:
+            ref = _LIVE.get(peer.id)
+            target = ref() if ref is not None else None
+            if target is None:
+                job.failed(f"peer {peer.name} is closed")
+                return
+            starts, ends = target._arrays
+        else:
+            starts, ends = peer.starts, peer.ends
+        remote = _outside(d.dst, d.nbytes, starts, ends)
+        if remote >= 0:
+            job.failed(f"remote address {int(d.dst[remote]):#x} is not registered by {peer.name}")
+            return
+        if same_process:
+            copy_local(d.src, d.dst, d.nbytes)
+        elif d.src.size:
+            err, index = write_remote(peer.pid, d.src, d.dst, d.nbytes)
+            if err:
+                job.failed(f"descriptor {index}: {explain(err, peer.pid)}")
+                return
+        if job.notify is not None and next(self._notes) != self.faults.lose_notification_at:
+            try:
+                self._sock.sendto(
+                    msgspec.msgpack.encode((self.peer_name, job.notify)), peer.address
+                )
+            except OSError as exc:
+                job.failed(f"data written, but the notification to {peer.name} failed: {exc}")
+                return
+        job.status = Status.DONE
+
+    def _notifications(self) -> list[Notification]:
+        out = []
+        while True:
+            try:
+                data = self._sock.recv(1 << 20)
+            except BlockingIOError:
+                return out
+            sender, message = msgspec.msgpack.decode(data, type=tuple[str, bytes])
+            out.append(Notification(sender, message))
+
+    def _close(self) -> None:
+        for job in list(self._stalled):
+            job.released.set()
+        self._queue.put(None)
+        self._worker.join(timeout=10)
+        self._sock.close()
+        _LIVE.pop(self.id, None)
