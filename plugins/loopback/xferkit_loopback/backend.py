@@ -130,8 +130,9 @@ class LoopbackBackend(Backend):
         start, end = region.addr, region.addr + region.nbytes
         if region.nbytes <= 0:
             raise ValueError("loopback does not support zero length memory region")
-        if next(self._registrations) == self.faults.fail_register_at:
-            raise RuntimeError(f"injected registration failure at [{start:#x}, {end:#x})")
+        n = next(self._registrations)
+        if n == self.faults.fail_register_at:
+            raise RuntimeError(f"injected failure of registration #{n} [{start:#x}, {end:#x})")
         with self._lock:
             i = bisect_left(self._ranges, (start, end))
             if (i > 0 and self._ranges[i - 1][1] > start) or (

@@ -1,0 +1,165 @@
+"""A rank in another process, for cross-process tests: ``python -m xferkit.testing.peer``.
+
+It speaks JSON lines on stdin/stdout. Both ends build the same ``Reference``
+(same specs, same seed), so the peer can check what it received, or write
+its own shard, without any bytes crossing the control pipe.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+
+from ..backend import Backend
+from ..manifest import Manifest
+from ..planner import plan
+from ..plugins import open_backend
+from .reference import Reference, RegionSpec
+
+Slots = dict[str, tuple[list[int], list[int]]]
+
+
+class Setup(msgspec.Struct, tag=True):
+    backend: str
+    options: dict[str, Any]
+    specs: list[RegionSpec]
+    src_tp: int
+    dst_tp: int
+    src_slots: dict[str, int]
+    dst_slots: dict[str, int]
+    role: str  # "src" or "dst"
+    index: int  # which rank of that side this process is
+    seed: int = 0
+
+
+class Check(msgspec.Struct, tag=True):
+    slots: Slots
+
+
+class Write(msgspec.Struct, tag=True):
+    endpoint: bytes
+    manifest: bytes
+    slots: Slots
+    notify: bytes | None = None
+
+
+class Drain(msgspec.Struct, tag=True):
+    """Return the notifications received so far."""
+
+
+class Quit(msgspec.Struct, tag=True):
+    pass
+
+
+Request = Setup | Check | Write | Drain | Quit
+
+
+class Reply(msgspec.Struct):
+    ok: bool
+    error: str = ""
+    endpoint: bytes = b""
+    manifest: bytes = b""
+    notes: list[tuple[str, bytes]] = []
+
+
+def reference(s: Setup) -> Reference:
+    return Reference(
+        s.specs,
+        src_tp=s.src_tp,
+        dst_tp=s.dst_tp,
+        src_slots=s.src_slots,
+        dst_slots=s.dst_slots,
+        seed=s.seed,
+    )
+
+
+def serve() -> None:
+    decoder = msgspec.json.Decoder(Request)
+    backend: Backend | None = None
+    ref: Reference | None = None
+    index = 0
+    for line in sys.stdin:
+        req = decoder.decode(line)
+        try:
+            if isinstance(req, Quit):
+                break
+            if isinstance(req, Setup):
+                ref, index = reference(req), req.index
+                rank = (ref.srcs if req.role == "src" else ref.dsts)[index]
+                backend = open_backend(req.backend, **req.options)
+                backend.register(rank.manifest)
+                reply = Reply(True, endpoint=backend.endpoint(), manifest=rank.manifest.encode())
+            elif backend is None or ref is None:
+                reply = Reply(False, "send Setup first")
+            elif isinstance(req, Check):
+                ref.check(index, req.slots)
+                reply = Reply(True)
+            elif isinstance(req, Write):
+                dst = Manifest.decode(req.manifest)
+                peer = backend.connect(req.endpoint, dst)
+                descs = plan(backend.manifest, dst).expand(req.slots)
+                backend.write(peer, descs, req.notify).wait(60)
+                reply = Reply(True)
+            else:
+                notes = backend.notifications()
+                reply = Reply(True, notes=[(n.peer, n.message) for n in notes])
+        except Exception as exc:
+            reply = Reply(False, f"{type(exc).__name__}: {exc}")
+        sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
+        sys.stdout.flush()
+    if backend is not None:
+        backend.close()
+
+
+class PeerProcess:
+    """The parent's handle on a peer process."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "xferkit.testing.peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._decoder = msgspec.json.Decoder(Reply)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def ask(self, request: Setup | Check | Write | Drain) -> Reply:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(msgspec.json.encode(request).decode() + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer process {self.pid} exited (code {self._proc.wait()})")
+        return self._decoder.decode(line)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(msgspec.json.encode(Quit()).decode() + "\n")
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=20)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    serve()
