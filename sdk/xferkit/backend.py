@@ -84,6 +84,13 @@ class Posted(ABC):
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free driver resources (called once, after completion or on abort)."""
 
+    def block(self, timeout: float) -> None:
+        """Sleep until the batch may have progressed, at most ``timeout`` seconds.
+
+        Drivers that can block on completion override this; the default naps.
+        """
+        time.sleep(min(timeout, 5e-5))
+
 
 class Peer:
     """A connected remote backend and the memory it advertised."""
@@ -202,15 +209,17 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise the root-cause ``TransferError`` if it failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.0
         while self.poll() is Status.PENDING:
-            if deadline is not None and time.monotonic() >= deadline:
+            left = 0.01 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
                 raise TransferError(
                     f"write to peer {self.peer.name} still pending after {timeout} s",
                     subject=self.peer.name,
                 )
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-5, 1e-3)
+            pending = next((p for p in self._posted if p.poll() is Status.PENDING), None)
+            if pending is None:
+                continue  # the next batch is about to be posted by poll()
+            pending.block(min(left, 0.01))
         if self.error is not None:
             raise self.error
 

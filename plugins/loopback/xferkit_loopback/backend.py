@@ -55,7 +55,17 @@ class _PeerHandle(NamedTuple):
 
 
 class _Job(Posted):
-    __slots__ = ("_error", "descs", "fail", "notify", "peer", "released", "stall", "status")
+    __slots__ = (
+        "_error",
+        "descs",
+        "fail",
+        "finished",
+        "notify",
+        "peer",
+        "released",
+        "stall",
+        "status",
+    )
 
     def __init__(self, peer: _PeerHandle, descs: Descriptors, notify: bytes | None) -> None:
         self.peer, self.descs, self.notify = peer, descs, notify
@@ -64,6 +74,7 @@ class _Job(Posted):
         self.fail: str | None = None  # injected failure text
         self.stall = False
         self.released = threading.Event()
+        self.finished = threading.Event()
 
     def poll(self) -> Status:
         return self.status
@@ -75,9 +86,15 @@ class _Job(Posted):
     def release(self) -> None:
         self.released.set()
 
+    def block(self, timeout: float) -> None:
+        self.finished.wait(timeout)
+
     def failed(self, text: str) -> None:
         self._error = text
         self.status = Status.FAILED
+
+    def done(self) -> None:
+        self.status = Status.DONE
 
 
 def _address(backend_id: str) -> bytes:
@@ -186,6 +203,7 @@ class LoopbackBackend(Backend):
                 self._execute(job)
             except Exception as exc:  # never let the worker die silently
                 job.failed(f"loopback worker error: {type(exc).__name__}: {exc}")
+            job.finished.set()
 
     def _execute(self, job: _Job) -> None:
         peer, d = job.peer, job.descs
@@ -234,7 +252,7 @@ class LoopbackBackend(Backend):
             except OSError as exc:
                 job.failed(f"data written, but the notification to {peer.name} failed: {exc}")
                 return
-        job.status = Status.DONE
+        job.done()
 
     def _notifications(self) -> list[Notification]:
         out = []
