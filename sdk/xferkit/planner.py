@@ -17,7 +17,6 @@ from functools import lru_cache
 from itertools import pairwise
 from typing import NamedTuple
 
-import msgspec
 import numpy as np
 
 from .errors import PlanError
@@ -25,12 +24,30 @@ from .manifest import Manifest, Region, RegionKey, key_label
 from .sharding import AxisLayout, Segment, axis_layout
 
 
-class Descriptors(msgspec.Struct, frozen=True):
-    """Byte copies: ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (uint64)."""
+class Descriptors:
+    """Byte copies: ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (uint64 arrays).
 
-    src: np.ndarray
-    dst: np.ndarray
-    nbytes: np.ndarray
+    They stay in the process that made them (a driver reads the arrays), so
+    this is a plain container rather than a wire struct.
+    """
+
+    __slots__ = ("dst", "nbytes", "src")
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        self.src, self.dst, self.nbytes = src, dst, nbytes
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Descriptors):
+            return NotImplemented
+        return all(
+            np.array_equal(a, b)
+            for a, b in ((self.src, other.src), (self.dst, other.dst), (self.nbytes, other.nbytes))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Descriptors({len(self)} copies, {self.total_bytes} bytes)"
 
     def __len__(self) -> int:
         return int(self.src.shape[0])
@@ -85,7 +102,7 @@ class Plan:
     Compute once per manifest pair with ``plan(src, dst)``; call ``expand`` per request.
     """
 
-    __slots__ = ("_groups", "_pieces", "dst_rank", "dst_slots", "src_rank", "src_slots")
+    __slots__ = ("_groups", "_known", "_pieces", "dst_rank", "dst_slots", "src_rank", "src_slots")
 
     def __init__(
         self,
@@ -98,6 +115,9 @@ class Plan:
         self.dst_rank = dst.tp_rank
         self.src_slots = dict(src.pools)
         self.dst_slots = dict(dst.pools)
+        # A request is one destination rank's: it may name any pool that rank has, even
+        # one whose regions were all dropped or that this source's pipeline stage lacks.
+        self._known = set(dst.pools) | {k[0] for k in dst.dropped_keys}
         self._groups = groups
         self._pieces = pieces
 
@@ -136,17 +156,17 @@ class Plan:
     def _slot_runs(
         self, pool: str, pair: tuple[object, object]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if pool not in self.dst_slots or pool not in self.src_slots:
-            known = sorted(set(self.src_slots) & set(self.dst_slots))
-            raise PlanError(f"unknown pool {pool!r}; the plan knows {known}", subject=pool)
+        if pool not in self._known:
+            known = sorted(self._known)
+            raise PlanError(f"unknown pool {pool!r}; the destination has {known}", subject=pool)
         try:
             src_raw, dst_raw = pair
         except (TypeError, ValueError):
             raise PlanError(
                 f"pool {pool!r}: expected (src_slot_indices, dst_slot_indices)", subject=pool
             ) from None
-        src = _indices(src_raw, pool, "source", self.src_slots[pool])
-        dst = _indices(dst_raw, pool, "destination", self.dst_slots[pool])
+        src = _indices(src_raw, pool, "source", self.src_slots.get(pool))
+        dst = _indices(dst_raw, pool, "destination", self.dst_slots.get(pool))
         if src.shape != dst.shape:
             raise PlanError(
                 f"pool {pool!r}: {src.size} source slots but {dst.size} destination slots",
@@ -168,7 +188,8 @@ class Plan:
 _NO_PIECES = Pieces(*(np.zeros(0, dtype=np.uint64) for _ in range(3)))
 
 
-def _indices(raw: object, pool: str, side: str, count: int) -> np.ndarray:
+def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray:
+    """Validated slot indices; ``count`` is None when that side holds no region of the pool."""
     arr = np.asarray(raw)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise PlanError(
@@ -178,7 +199,7 @@ def _indices(raw: object, pool: str, side: str, count: int) -> np.ndarray:
         )
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= count:
+        if lo < 0 or (count is not None and hi >= count):
             bad = lo if lo < 0 else hi
             raise PlanError(
                 f"pool {pool!r}: {side} slot {bad} is out of range [0, {count})", subject=pool
@@ -340,8 +361,8 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
     if la.size != lb.size:
         return (
             f"global size of axis {axis} differs: {la.size} on the source "
-            f"({a.slot_shape[axis]} x TP {ts}), {lb.size} on the destination "
-            f"({b.slot_shape[axis]} x TP {td})"
+            f"(local {a.slot_shape[axis]} at TP {ts}), {lb.size} on the destination "
+            f"(local {b.slot_shape[axis]} at TP {td})"
         )
     problem = _group_mismatch(la, lb)
     if problem:

@@ -1,0 +1,136 @@
+"""Checks shared by the planner tests: independent of the planner's own arithmetic.
+
+The reference model (``xferkit.testing.Reference``) says which bytes must land
+where; the helpers here check the descriptors themselves (no zero length, each
+inside one region of the same key on both sides, no two mergeable, count equal
+to the number of maximal contiguous runs of the byte mapping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from xferkit import Descriptors, Manifest, coverage
+from xferkit.testing import Reference, WriteCounter, execute
+
+Request = Mapping[str, tuple[object, object]]
+
+BYTE_LEVEL_LIMIT = 1 << 20  # bytes a brute-force byte mapping may expand to
+
+
+def for_rank(m: Manifest, request: Request) -> dict:
+    """The part of a model-wide request that one destination rank (one PP stage) has pools for."""
+    have = set(m.pools) | {k[0] for k in m.dropped_keys}
+    return {pool: pair for pool, pair in request.items() if pool in have}
+
+
+def region_of(m: Manifest, addr: np.ndarray, nbytes: np.ndarray, side: str) -> np.ndarray:
+    """Index in ``m.regions`` of the region holding each [addr, addr+nbytes); asserts one does."""
+    starts = np.array([r.addr for r in m.regions], dtype=np.uint64)
+    ends = starts + np.array([r.nbytes for r in m.regions], dtype=np.uint64)
+    order = np.argsort(starts)
+    pos = np.searchsorted(starts[order], addr, side="right").astype(np.int64) - 1
+    assert (pos >= 0).all(), f"a {side} descriptor starts below every region"
+    idx = order[pos]
+    inside = (addr >= starts[idx]) & (addr + nbytes <= ends[idx])
+    bad = np.flatnonzero(~inside)
+    assert not bad.size, (
+        f"{side} descriptor {int(bad[0])} [{int(addr[bad[0]]):#x}, +{int(nbytes[bad[0]])}) "
+        "is not inside one region"
+    )
+    return idx
+
+
+def byte_runs(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, region: np.ndarray
+) -> tuple[int, int]:
+    """(number of maximal runs, number of bytes) of the byte mapping the copies describe.
+
+    Brute force: every byte becomes (region, dst, src); a run continues where
+    the next destination byte of the same region comes from the next source byte.
+    Asserts no destination byte appears twice.
+    """
+    total = int(nbytes.sum())
+    if total == 0:
+        return 0, 0
+    n = nbytes.astype(np.int64)
+    first = np.repeat(np.cumsum(n) - n, n)
+    step = np.arange(total, dtype=np.int64) - first
+    d = np.repeat(dst.astype(np.int64), n) + step
+    s = np.repeat(src.astype(np.int64), n) + step
+    g = np.repeat(region, n)
+    order = np.lexsort((d, g))
+    d, s, g = d[order], s[order], g[order]
+    assert not np.any((g[1:] == g[:-1]) & (d[1:] == d[:-1])), "a destination byte is copied twice"
+    cont = (g[1:] == g[:-1]) & (d[1:] == d[:-1] + 1) & (s[1:] == s[:-1] + 1)
+    return int(total - cont.sum()), total
+
+
+def check_descriptors(descs: Descriptors, src: Manifest, dst: Manifest) -> None:
+    """Shape, no zero length, one region of the same key per descriptor, minimal count."""
+    for a in (descs.src, descs.dst, descs.nbytes):
+        assert a.dtype == np.uint64 and a.ndim == 1 and a.shape == (len(descs),)
+    if not len(descs):
+        return
+    assert (descs.nbytes > 0).all(), "zero-length descriptor"
+    si = region_of(src, descs.src, descs.nbytes, "source")
+    di = region_of(dst, descs.dst, descs.nbytes, "destination")
+    src_keys = [src.regions[i].key for i in si]
+    dst_keys = [dst.regions[i].key for i in di]
+    assert src_keys == dst_keys, "a descriptor pairs regions of different keys"
+    # No two descriptors could be merged: sorted by destination, no neighbours in the
+    # same region contiguous on both sides.
+    order = np.lexsort((descs.dst, di))
+    s, d, n, g = descs.src[order], descs.dst[order], descs.nbytes[order], di[order]
+    same = g[1:] == g[:-1]
+    assert not np.any(same & (d[:-1] + n[:-1] > d[1:])), "two descriptors overlap"
+    mergeable = same & (d[:-1] + n[:-1] == d[1:]) & (s[:-1] + n[:-1] == s[1:])
+    assert not mergeable.any(), f"descriptors {np.flatnonzero(mergeable)[:3]} could be merged"
+    if descs.total_bytes <= BYTE_LEVEL_LIMIT:
+        runs, _ = byte_runs(descs.src, descs.dst, descs.nbytes, di)
+        assert len(descs) == runs, f"{len(descs)} descriptors for {runs} maximal runs"
+
+
+def requested_bytes(ref: Reference, dst_index: int, request: Request) -> int:
+    """Bytes the reference says a destination rank receives: its shard of each requested slot."""
+    total = 0
+    for key, array in ref.dsts[dst_index].arrays.items():
+        if array.size and key[0] in request:
+            total += len(np.asarray(request[key[0]][1])) * array[0].nbytes
+    return total
+
+
+def transfer(ref: Reference, full_request: Request) -> dict[int, dict[int, int]]:
+    """Plan, expand, check and execute the request into every destination rank.
+
+    Returns ``{dst_index: {src_index: descriptor count}}``. Asserts everything
+    the planner promises: coverage succeeds, descriptors are well formed and
+    minimal, bytes moved equal the bytes requested, no byte is written twice,
+    the destination equals the reference (untouched outside the request) and
+    no source byte changes.
+    """
+    srcs = [r.manifest for r in ref.srcs]
+    before = [r.snapshot() for r in ref.srcs]
+    counter = WriteCounter(ref.dsts)
+    counts: dict[int, dict[int, int]] = {}
+    for di, rank in enumerate(ref.dsts):
+        request = for_rank(rank.manifest, full_request)
+        cov = coverage(srcs, rank.manifest)
+        assert set(cov.plans) == set(cov.sources)
+        counts[di] = {}
+        moved = 0
+        for si in cov.sources:
+            descs = cov.plans[si].expand(request)
+            check_descriptors(descs, srcs[si], rank.manifest)
+            counter.record(descs)
+            execute(descs)
+            moved += descs.total_bytes
+            counts[di][si] = len(descs)
+        assert moved == requested_bytes(ref, di, request)
+        ref.check(di, request)
+    assert counter.max <= 1, f"a destination byte was written {counter.max} times"
+    for rank, snap in zip(ref.srcs, before, strict=True):
+        for key, array in rank.arrays.items():
+            assert np.array_equal(array, snap[key]), f"source region {key} changed"
+    return counts
