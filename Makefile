@@ -12,7 +12,10 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(MAKE) sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/loopback
+	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/loopback \
+		-e 'plugins/mooncake[cpu]' -e plugins/nixl
+	# NIXL declares torch (a multi-GB CUDA build here): install it without dependencies.
+	$(BIN)/python -m pip install --quiet --no-deps nixl-cu12 nixl
 	touch $(STAMP)
 
 # System libraries the RDMA drivers load at run time (installed where we are root).
@@ -30,6 +33,9 @@ demo: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_expand.py
+	$(BIN)/python benchmarks/bench_loopback.py
+	$(BIN)/python benchmarks/bench_mooncake.py
+	$(BIN)/python benchmarks/bench_nixl.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -393,9 +393,9 @@ class Backend(ABC):
 
     def _check_descriptors(self, peer: Peer, d: Descriptors) -> None:
         arrays = (d.src, d.dst, d.nbytes)
-        if any(a.ndim != 1 or a.dtype != np.uint64 for a in arrays) or not (
-            d.src.size == d.dst.size == d.nbytes.size
-        ):
+        if any(
+            not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.uint64 for a in arrays
+        ) or not (d.src.size == d.dst.size == d.nbytes.size):
             raise BoundsError("descriptors must be three 1-D uint64 arrays of one length")
         small = np.flatnonzero(d.nbytes < max(self.capabilities.min_transfer, 1))
         if small.size:

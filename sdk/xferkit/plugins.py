@@ -9,9 +9,10 @@ Built-in drivers are discovered exactly like third-party ones.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import pluggy
@@ -49,23 +50,41 @@ class _Hooks:
         """Call ``register(BackendSpec(...))`` once per backend this plugin provides."""
 
 
+class _Found(NamedTuple):
+    spec: BackendSpec
+    dist: str
+    version: str
+    broken: str | None = None  # why the plugin itself could not load
+
+
 @cache
-def _discover() -> tuple[tuple[BackendSpec, str, str], ...]:
+def _discover() -> tuple[_Found, ...]:
+    """Every announced backend; a plugin that fails to load is listed, with why, not fatal."""
     pm = pluggy.PluginManager("xferkit")
     pm.add_hookspecs(_Hooks)
-    pm.load_setuptools_entrypoints("xferkit")
+    found: list[_Found] = []
+    for ep in importlib.metadata.entry_points(group="xferkit"):  # one by one, to name a failure
+        try:
+            pm.load_setuptools_entrypoints("xferkit", name=ep.name)
+        except Exception as exc:
+            owner = ep.dist.name if ep.dist is not None else ep.name
+            why = f"plugin {owner} failed to load ({ep.value}): {type(exc).__name__}: {exc}"
+            version = ep.dist.version if ep.dist is not None else "?"
+            found.append(_Found(BackendSpec(name=ep.name, target=ep.value), owner, version, why))
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
-    found: list[tuple[BackendSpec, str, str]] = []
     for impl in pm.hook.register_backends.get_hookimpls():
         dist = dists.get(id(impl.plugin))
-        name = dist.project_name if dist else impl.plugin_name
+        owner = dist.project_name if dist else impl.plugin_name
         version = dist.version if dist else "?"
         specs: list[BackendSpec] = []
         try:
             impl.function(register=specs.append)
         except Exception as exc:
-            raise PluginError(f"plugin {name} failed while registering backends: {exc}") from exc
-        found += [(s, name, version) for s in specs]
+            why = f"plugin {owner} failed while registering backends: {type(exc).__name__}: {exc}"
+            spec = BackendSpec(name=impl.plugin_name, target=getattr(impl.plugin, "__name__", "?"))
+            found.append(_Found(spec, owner, version, why))
+            continue
+        found += [_Found(s, owner, version) for s in specs]
     return tuple(found)
 
 
@@ -74,13 +93,16 @@ def _reset() -> None:
     _discover.cache_clear()
 
 
-def _problem(spec: BackendSpec, dist: str) -> str | None:
-    claims = [d for s, d, _ in _discover() if s.name == spec.name]
+def _problem(f: _Found) -> str | None:
+    if f.broken is not None:
+        return f.broken
+    spec = f.spec
+    claims = [g.dist for g in _discover() if g.spec.name == spec.name]
     if len(claims) > 1:
         return f"backend name {spec.name!r} is claimed by several plugins: {', '.join(claims)}"
     if spec.contract != CONTRACT_VERSION:
         return (
-            f"plugin {dist} implements backend contract {spec.contract}, "
+            f"plugin {f.dist} implements backend contract {spec.contract}, "
             f"this xferkit speaks {CONTRACT_VERSION}"
         )
     if spec.probe is None:
@@ -94,20 +116,22 @@ def _problem(spec: BackendSpec, dist: str) -> str | None:
 def backends() -> list[BackendInfo]:
     """Every backend plugins announce, usable here or not (and why not)."""
     out = []
-    for spec, dist, version in _discover():
-        reason = _problem(spec, dist)
-        out.append(BackendInfo(spec.name, dist, version, reason is None, reason, spec.target))
+    for f in _discover():
+        reason = _problem(f)
+        out.append(
+            BackendInfo(f.spec.name, f.dist, f.version, reason is None, reason, f.spec.target)
+        )
     return sorted(out, key=lambda b: (b.name, b.distribution))
 
 
 def open_backend(name: str, **options: Any) -> Backend:
     """A ready backend by name; ``options`` go to the driver's constructor."""
-    matches = [(s, d) for s, d, _ in _discover() if s.name == name]
+    matches = [f for f in _discover() if f.spec.name == name]
     if not matches:
-        known = sorted({s.name for s, _, _ in _discover()})
+        known = sorted({f.spec.name for f in _discover()})
         raise PluginError(f"no backend named {name!r}; installed: {known}", subject=name)
-    spec, dist = matches[0]
-    reason = _problem(spec, dist)
+    spec, dist = matches[0].spec, matches[0].dist
+    reason = _problem(matches[0])
     if reason is not None:
         raise PluginError(f"backend {name!r} ({dist}) is not usable here: {reason}", subject=name)
     module_name, _, attr = spec.target.partition(":")

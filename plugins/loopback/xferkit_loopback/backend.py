@@ -108,7 +108,9 @@ def _outside(addrs: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, ends: np
     if not starts.size:
         return 0
     where = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-    ok = (where >= 0) & (addrs + nbytes <= ends[np.maximum(where, 0)])
+    ends_at = addrs + nbytes
+    ok = (where >= 0) & (ends_at >= addrs)  # the second catches uint64 wrap-around
+    ok &= ends_at <= ends[np.maximum(where, 0)]
     bad = np.flatnonzero(~ok)
     return int(bad[0]) if bad.size else -1
 
@@ -194,6 +196,7 @@ class LoopbackBackend(Backend):
             job.fail = f"injected failure of post #{n}"
         if n == self.faults.stall_post_at:
             job.stall = True
+            self._stalled.add(job)  # known at once, so close() aborts it even before it runs
         self._queue.put(job)
         return job
 
@@ -208,7 +211,6 @@ class LoopbackBackend(Backend):
     def _execute(self, job: _Job) -> None:
         peer, d = job.peer, job.descs
         if job.stall:
-            self._stalled.add(job)
             job.released.wait()
             self._stalled.discard(job)
             job.failed("stalled post aborted")
