@@ -2,7 +2,7 @@
 # Debian packages the driver plugins need at run time. Installs them when run as
 # root; otherwise prints the command to run and carries on.
 set -euo pipefail
-packages=(libibverbs1 librdmacm1)
+packages=(libibverbs1 librdmacm1 libnuma1 libcurl4)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

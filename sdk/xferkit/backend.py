@@ -114,15 +114,15 @@ def _region_table(m: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts, starts + m.nbytes[order], order
 
 
-def _out_of_bounds(addrs: np.ndarray, nbytes: np.ndarray, starts, ends) -> np.ndarray:
-    """Indices of pieces not inside one region of the table (vectorized)."""
+def _inside(addrs: np.ndarray, nbytes: np.ndarray, starts, ends) -> np.ndarray:
+    """Mask of pieces lying inside one region of the table (vectorized)."""
     if not starts.size:
-        return np.arange(addrs.size)
+        return np.zeros(addrs.size, dtype=bool)
     where = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
     ends_at = addrs + nbytes
     inside = (where >= 0) & (ends_at >= addrs)  # the second catches uint64 wrap-around
     inside &= ends_at <= ends[np.maximum(where, 0)]
-    return np.flatnonzero(~inside)
+    return inside
 
 
 class Transfer:
@@ -397,12 +397,11 @@ class Backend(ABC):
             not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.uint64 for a in arrays
         ) or not (d.src.size == d.dst.size == d.nbytes.size):
             raise BoundsError("descriptors must be three 1-D uint64 arrays of one length")
-        small = np.flatnonzero(d.nbytes < max(self.capabilities.min_transfer, 1))
-        if small.size:
-            i = int(small[0])
+        least = max(self.capabilities.min_transfer, 1)
+        if d.nbytes.size and d.nbytes.min() < least:
+            i = int(np.argmax(d.nbytes < least))
             raise BoundsError(
-                f"descriptor {i} is {int(d.nbytes[i])} bytes; {self.name} moves at least "
-                f"{max(self.capabilities.min_transfer, 1)}",
+                f"descriptor {i} is {int(d.nbytes[i])} bytes; {self.name} moves at least {least}",
                 subject=i,
             )
         assert self._local is not None and self._manifest is not None
@@ -416,9 +415,9 @@ class Backend(ABC):
                 f"advertised by peer {peer.name}",
             ),
         ):
-            bad = _out_of_bounds(addrs, d.nbytes, table[0], table[1])
-            if bad.size:
-                i = int(bad[0])
+            inside = _inside(addrs, d.nbytes, table[0], table[1])
+            if not inside.all():
+                i = int(np.argmin(inside))
                 raise BoundsError(
                     f"descriptor {i}: {side} [{int(addrs[i]):#x}, +{int(d.nbytes[i])}) lies "
                     f"outside every region {where}" + _nearest(manifest, table, int(addrs[i])),

@@ -1,0 +1,367 @@
+"""The NIXL plugin against raw NIXL calls on the same descriptors, in one run, two processes.
+
+A peer process (``xferkit.testing.peer``) is decode rank 0 of a model with one
+region per descriptor size (4 KiB, 64 KiB and 1 MiB slots, ``--total-mib``
+each); this process is prefill rank 0 and writes every slot to a shuffled
+destination slot, the way a paged KV cache moves. For each size, four ways of
+moving the same bytes alternate, their order rotating round by round:
+
+* ``raw init``: Nx3 arrays from the descriptors, ``nixlXferDList``,
+  ``initialize_xfer``, ``transfer``, polling ``check_xfer_state``, release;
+* ``raw prep``: ``make_prepped_xfer`` on per-slot lists prepared once, with the
+  indices precomputed (the best a hand-written driver can do), then the same;
+* ``plugin init`` / ``plugin prep``: ``backend.write(peer, descs).wait()`` with
+  ``post="initialize"`` / ``post="prepared"``, core guards included.
+
+Raw NIXL runs on an agent of its own with the plugin's configuration (progress
+thread, 1 ms poll delay). On one host UCX moves the bytes inside ``transfer()``
+(process_vm_writev), so each write's time splits into the copy (inside
+``transfer()``, the same UCX code for every way) and the overhead around it;
+both are recorded. Throughput ratios are taken per round (each pair ran under
+the same load) and their median reported, next to the ratio the overheads
+imply at the median copy time, which the load on a shared machine disturbs
+less. Posting cost per descriptor is measured apart: building one request, no
+transfer. The bytes are checked against the reference model at the end.
+Prints tables and writes benchmarks/results/nixl.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import xferkit as xk
+from xferkit.testing.peer import Check, PeerProcess, Setup
+from xferkit.testing.reference import Reference, RegionSpec
+from xferkit_nixl import ucx_env
+from xferkit_nixl.backend import _Blob, _new_agent
+from xferkit_nixl.nixl_api import load
+
+SIZES = [4 << 10, 64 << 10, 1 << 20]
+WAYS = ("raw init", "raw prep", "plugin init", "plugin prep")
+DRAM = ("DRAM", 0)
+
+
+def _specs() -> list[RegionSpec]:
+    return [
+        RegionSpec(pool=f"p{size}", name="buf", layer=0, shape=(size,), itemsize=1)
+        for size in SIZES
+    ]
+
+
+def _rows(addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """The Nx3 (address, length, device 0) array NIXL takes, filled the fastest way we know."""
+    out = np.empty((addrs.size, 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = nbytes
+    out[:, 2] = 0
+    return out
+
+
+def _paired(raw: list[float], plugin: list[float]) -> float:
+    """Median over rounds of raw time / plugin time: the plugin's share of raw throughput."""
+    return statistics.median(r / p for r, p in zip(raw, plugin, strict=True))
+
+
+def _median_us(fn, repeat: int) -> float:
+    runs = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        runs.append(time.perf_counter() - t)
+        if out is not None:
+            out.release()
+    return statistics.median(runs) * 1e6
+
+
+class _Clock:
+    """Time spent inside an agent's ``transfer()`` calls (where UCX copies on one host)."""
+
+    def __init__(self, agent) -> None:
+        self.inside = 0.0
+        real = agent.transfer
+
+        def transfer(handle, *args):
+            t = time.perf_counter()
+            try:
+                return real(handle, *args)
+            finally:
+                self.inside += time.perf_counter() - t
+
+        agent.transfer = transfer
+
+
+class Bench:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.slots = {f"p{size}": total // size for size in SIZES}
+        ucx_env.apply_defaults()
+        self.api, self.bindings = load()
+        ref = Reference(_specs(), src_tp=1, dst_tp=1, src_slots=self.slots, dst_slots=self.slots)
+        self.ref = ref  # owns the source buffers: they must outlive every transfer
+        self.local = ref.srcs[0].manifest
+        self.proc = PeerProcess()
+        self.init = xk.open_backend("nixl", agent_prefix="bench-init")
+        self.prep = xk.open_backend("nixl", agent_prefix="bench-prep", post="prepared")
+        config = self.api.nixl_agent_config(backends=["UCX"])
+        self.raw = _new_agent(self.api, self.bindings, "bench-raw", config, 1000)
+        self.clocks = {
+            "raw": _Clock(self.raw),
+            "plugin init": _Clock(self.init._agent),
+            "plugin prep": _Clock(self.prep._agent),
+        }
+        self.requests: dict[str, tuple[list[int], list[int]]] = {}
+
+    def connect(self) -> None:
+        ready = self.proc.ask(
+            Setup(
+                backend="nixl",
+                options={},
+                specs=_specs(),
+                src_tp=1,
+                dst_tp=1,
+                src_slots=self.slots,
+                dst_slots=self.slots,
+                role="dst",
+                index=0,
+            )
+        )
+        assert ready.ok, ready.error
+        self.remote = xk.Manifest.decode(ready.manifest)
+        env = msgspec.msgpack.decode(ready.endpoint, type=xk.Endpoint)
+        self.target = msgspec.msgpack.decode(env.blob, type=_Blob)
+        self.peers = {}
+        for backend in (self.init, self.prep):
+            backend.register(self.local)
+            self.peers[backend] = backend.connect(ready.endpoint, self.remote)
+        self.raw.register_memory([(r.addr, r.nbytes, 0, "") for r in self.local.regions], "DRAM")
+        self.raw.add_remote_agent(self.target.metadata)
+        self.plan = xk.plan(self.local, self.remote)
+
+    def check(self) -> None:
+        reply = self.proc.ask(Check(slots=self.requests))
+        assert reply.ok, f"bytes differ from the reference: {reply.error}"
+
+    def close(self) -> None:
+        self.proc.close()
+        self.init.close()
+        self.prep.close()
+        self.raw = None
+
+    # -- one descriptor size -----------------------------------------------------------
+
+    def _raw_lists(self, pool: str, size: int, n: int):
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(size)
+        sizes = np.full(n, size, np.uint64)
+        key = (pool, "buf", 0, 0)
+        ends = []
+        for agent_name, region in (
+            ("NIXL_INIT_AGENT", self.local.region(key)),
+            (self.target.name, self.remote.region(key)),
+        ):
+            ends.append(
+                self.raw.prep_xfer_dlist(agent_name, _rows(region.addr + offs, sizes), "DRAM")
+            )
+        return ends
+
+    def case(self, size: int, rounds: int, rng: np.random.Generator) -> dict:
+        pool, n = f"p{size}", self.total // size
+        order = rng.permutation(n)
+        self.requests[pool] = (list(range(n)), order.tolist())
+        descs = self.plan.expand({pool: (np.arange(n), order)})
+        raw, b = self.raw, self.bindings
+        lp, rp = self._raw_lists(pool, size, n)
+        lidx, ridx = np.arange(n, dtype=np.int32), order.astype(np.int32)
+
+        def make_raw_init():
+            return raw.initialize_xfer(
+                "WRITE",
+                b.nixlXferDList(b.DRAM_SEG, _rows(descs.src, descs.nbytes)),
+                b.nixlXferDList(b.DRAM_SEG, _rows(descs.dst, descs.nbytes)),
+                self.target.name,
+            )
+
+        def make_raw_prep():
+            return raw.make_prepped_xfer("WRITE", lp, lidx, rp, ridx)
+
+        def raw_move(make) -> None:
+            h = make()
+            state = raw.transfer(h)
+            while state == "PROC":
+                state = raw.check_xfer_state(h)
+            h.release()
+            if state != "DONE":
+                raise RuntimeError(f"raw transfer ended {state}")
+
+        init, prep = self.init, self.prep
+        ways = {
+            "raw init": (lambda: raw_move(make_raw_init), self.clocks["raw"]),
+            "raw prep": (lambda: raw_move(make_raw_prep), self.clocks["raw"]),
+            "plugin init": (
+                lambda: init.write(self.peers[init], descs).wait(60),
+                self.clocks["plugin init"],
+            ),
+            "plugin prep": (
+                lambda: prep.write(self.peers[prep], descs).wait(60),
+                self.clocks["plugin prep"],
+            ),
+        }
+        for fn, _ in ways.values():  # warm: connections, prepared lists
+            fn()
+        took_prepared = prep.posts["prepared"]
+        times: dict[str, list[float]] = {k: [] for k in WAYS}
+        inside: dict[str, list[float]] = {k: [] for k in WAYS}
+        for r in range(rounds):
+            for k in WAYS[r % 4 :] + WAYS[: r % 4]:
+                fn, clock = ways[k]
+                before = clock.inside
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
+                inside[k].append(clock.inside - before)
+        took_prepared = prep.posts["prepared"] - took_prepared == rounds
+
+        # Posting cost: building one request, no transfer.
+        reps = max(20, min(400, 200_000 // n))
+        h_init, h_prep = self.peers[init].handle, self.peers[prep].handle
+        cost = {
+            "raw init": _median_us(make_raw_init, reps),
+            "raw prep": _median_us(make_raw_prep, reps),
+            "plugin init": _median_us(
+                lambda: init._request(h_init, DRAM, DRAM, descs, b"", True), reps
+            ),
+            "plugin prep": _median_us(
+                lambda: prep._request(h_prep, DRAM, DRAM, descs, b"", True), reps
+            ),
+            "core guards": _median_us(
+                lambda: init._check_descriptors(self.peers[init], descs), reps
+            ),
+        }
+        lp.release()
+        rp.release()
+
+        copy = statistics.median(x for k in WAYS for x in inside[k])
+        over = {
+            k: statistics.median(t - x for t, x in zip(times[k], inside[k], strict=True))
+            for k in WAYS
+        }
+        slug = {k: k.replace(" ", "_") for k in (*WAYS, "core guards")}
+        row: dict = {
+            "descriptor_bytes": size,
+            "descriptors": len(descs),
+            "bytes": int(descs.total_bytes),
+            "plugin_prepared_path_taken": took_prepared,
+            "copy_ms_median": copy * 1e3,
+        }
+        row |= {f"{slug[k]}_gbps": self.total / statistics.median(times[k]) / 1e9 for k in WAYS}
+        row |= {f"{slug[k]}_overhead_us": over[k] * 1e6 for k in WAYS}
+        row |= {f"{slug[k]}_copy_ms": statistics.median(inside[k]) * 1e3 for k in WAYS}
+        row |= {
+            # Per round (both ran under the same load), then the median.
+            "ratio_init": _paired(times["raw init"], times["plugin init"]),
+            "ratio_prep": _paired(times["raw prep"], times["plugin prep"]),
+            "ratio_default_vs_best_raw": _paired(
+                [min(a, c) for a, c in zip(times["raw init"], times["raw prep"], strict=True)],
+                times["plugin init"],
+            ),
+            # What the overheads imply at the median copy time.
+            "ratio_init_from_overhead": (copy + over["raw init"]) / (copy + over["plugin init"]),
+            "ratio_prep_from_overhead": (copy + over["raw prep"]) / (copy + over["plugin prep"]),
+        }
+        row |= {f"post_us_per_desc_{slug[k]}": v / len(descs) for k, v in cost.items()}
+        row |= {f"post_us_{slug[k]}": v for k, v in cost.items()}
+        return row
+
+
+def run(total_mib: int, rounds: int) -> list[dict]:
+    bench = Bench(total_mib << 20)
+    try:
+        bench.connect()
+        rng = np.random.default_rng(0)
+        rows = [bench.case(size, rounds, rng) for size in SIZES]
+        bench.check()
+    finally:
+        bench.close()
+    return rows
+
+
+def _print(rows: list[dict], total_mib: int, rounds: int) -> None:
+    print(
+        f"{total_mib} MiB per write, {rounds} rounds, two processes, UCX on host memory "
+        f"({os.cpu_count()} CPUs)\n"
+    )
+    head = (
+        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plg init':>8} "
+        f"{'plg prep':>8} GB/s | plugin/raw {'init':>5} {'prep':>5} {'dflt/best':>9} | "
+        f"from overhead {'init':>5} {'prep':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['descriptor_bytes'] >> 10:>5}Ki {r['descriptors']:>6} | "
+            f"{r['raw_init_gbps']:8.2f} {r['raw_prep_gbps']:8.2f} {r['plugin_init_gbps']:8.2f} "
+            f"{r['plugin_prep_gbps']:8.2f}      |            {r['ratio_init']:5.2f} "
+            f"{r['ratio_prep']:5.2f} {r['ratio_default_vs_best_raw']:9.2f} |               "
+            f"{r['ratio_init_from_overhead']:5.2f} {r['ratio_prep_from_overhead']:5.2f}"
+        )
+    print("\ntime per write outside UCX's copy (us; median copy time in ms)\n")
+    head = (
+        f"{'desc':>7} | {'copy ms':>8} | {'raw init':>8} {'raw prep':>8} {'plg init':>8} "
+        f"{'plg prep':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['descriptor_bytes'] >> 10:>5}Ki | {r['copy_ms_median']:8.2f} | "
+            f"{r['raw_init_overhead_us']:8.1f} {r['raw_prep_overhead_us']:8.1f} "
+            f"{r['plugin_init_overhead_us']:8.1f} {r['plugin_prep_overhead_us']:8.1f}"
+        )
+    print("\nposting cost per descriptor: building one request, no transfer (us)\n")
+    head = (
+        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plg init':>8} "
+        f"{'plg prep':>8} | {'guards':>7} | per request: raw init / plg init / plg prep"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['descriptor_bytes'] >> 10:>5}Ki {r['descriptors']:>6} | "
+            f"{r['post_us_per_desc_raw_init']:8.4f} {r['post_us_per_desc_raw_prep']:8.4f} "
+            f"{r['post_us_per_desc_plugin_init']:8.4f} {r['post_us_per_desc_plugin_prep']:8.4f} | "
+            f"{r['post_us_per_desc_core_guards']:7.4f} | {r['post_us_raw_init']:.1f} / "
+            f"{r['post_us_plugin_init']:.1f} / {r['post_us_plugin_prep']:.1f} us"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--total-mib", type=int, default=64, help="bytes per write, MiB")
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "nixl.json"))
+    args = parser.parse_args()
+    rows = run(args.total_mib, args.rounds)
+    _print(rows, args.total_mib, args.rounds)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "total_mib": args.total_mib,
+        "rounds": args.rounds,
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
