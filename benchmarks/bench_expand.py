@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 import xferkit as xk
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, TOKENS, BF16 = 80, 8, 128, 64, 8192, 2

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 import xferkit as xk
 from xferkit.testing.peer import PeerProcess, Setup
 from xferkit.testing.reference import RegionSpec

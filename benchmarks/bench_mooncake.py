@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import xferkit as xk
 from mooncake.engine import TransferEngine
+
+import xferkit as xk
 from xferkit.testing.peer import PeerProcess, Setup
 from xferkit.testing.reference import RegionSpec
 from xferkit_mooncake.lane import Lane

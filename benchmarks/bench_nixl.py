@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+
 import xferkit as xk
 from xferkit.testing.peer import Check, PeerProcess, Setup
 from xferkit.testing.reference import Reference, RegionSpec

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+
 from xferkit import Descriptors, Manifest, coverage
 from xferkit.testing import Reference, WriteCounter, execute
 

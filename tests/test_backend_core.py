@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 import pytest
+
 from xferkit import (
     CONTRACT_VERSION,
     Backend,

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
+
 from xferkit import Manifest, ManifestError, Region, key_label
 from xferkit.testing import Regions, manifest_regions
 

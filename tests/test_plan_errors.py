@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+
 from xferkit import Descriptors, Manifest, PlanError, Region, coverage, key_label, plan
 
 _next_addr = [0x10000]

@@ -15,6 +15,7 @@ import numpy as np
 from checks import byte_runs, check_descriptors, for_rank, region_of, transfer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from xferkit import Descriptors, coverage
 from xferkit.testing import Rank, layouts, slot_pairs, slot_requests
 from xferkit.testing.strategies import INTERESTING_TP, Layout

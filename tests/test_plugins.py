@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 import xferkit
 from xferkit import CONTRACT_VERSION, Backend, BackendInfo, PluginError, backends, open_backend
 from xferkit.plugins import _reset

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from checks import transfer
+
 from xferkit import coverage
 from xferkit.testing import Reference, RegionSpec
 

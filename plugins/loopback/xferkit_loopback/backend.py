@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+
 from xferkit import (
     Backend,
     Capabilities,

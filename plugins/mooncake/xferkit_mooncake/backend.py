@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
+
 from xferkit import (
     Backend,
     Capabilities,

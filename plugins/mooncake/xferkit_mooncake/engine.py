@@ -14,6 +14,7 @@ import socket
 import struct
 
 from mooncake.engine import TransferEngine
+
 from xferkit import CapabilityError, PluginError
 
 from .codes import explain

@@ -15,6 +15,7 @@ import queue
 import threading
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+
 from xferkit import Descriptors, Posted, Status
 
 from .codes import explain, explain_transfer

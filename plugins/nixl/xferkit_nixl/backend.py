@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from xferkit import (
     Backend,
     Capabilities,

@@ -13,6 +13,7 @@ heterogeneous-TP head slice is) does not match, and the caller falls back to
 from __future__ import annotations
 
 import numpy as np
+
 from xferkit import Descriptors, Manifest
 
 MAX_ENTRIES = 1 << 20
