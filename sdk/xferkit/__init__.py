@@ -25,6 +25,7 @@ from .errors import (
 from .manifest import Dropped, Manifest, Region, RegionKey, key_label
 from .planner import Coverage, Descriptors, Pieces, Plan, coverage, plan
 from .plugins import BackendInfo, BackendSpec, backends, hookimpl, hookspec, open_backend
+from .worker import BatchWorker, QueuedBatch
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "BackendSpec",
+    "BatchWorker",
     "BoundsError",
     "Capabilities",
     "CapabilityError",
@@ -50,6 +52,7 @@ __all__ = [
     "PluginError",
     "Posted",
     "ProtocolError",
+    "QueuedBatch",
     "Region",
     "RegionKey",
     "RegistrationError",

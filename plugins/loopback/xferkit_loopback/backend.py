@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import socket
 import threading
 import uuid
@@ -25,13 +24,14 @@ import numpy as np
 
 from xferkit import (
     Backend,
+    BatchWorker,
     Capabilities,
     Descriptors,
     Manifest,
     Notification,
     Posted,
+    QueuedBatch,
     Region,
-    Status,
 )
 
 from .copy import allow_writers, copy_local, explain, write_remote
@@ -55,47 +55,19 @@ class _PeerHandle(NamedTuple):
     ends: np.ndarray
 
 
-class _Job(Posted):
-    __slots__ = (
-        "_error",
-        "descs",
-        "fail",
-        "finished",
-        "notify",
-        "peer",
-        "released",
-        "stall",
-        "status",
-    )
+class _Job(QueuedBatch):
+    __slots__ = ("fail", "peer", "released", "stall")
 
     def __init__(self, peer: _PeerHandle, descs: Descriptors, notify: bytes | None) -> None:
-        self.peer, self.descs, self.notify = peer, descs, notify
-        self.status = Status.PENDING
-        self._error = ""
+        super().__init__(descs, notify)
+        self.peer = peer
         self.fail: str | None = None  # injected failure text
         self.stall = False
         self.released = threading.Event()
-        self.finished = threading.Event()
-
-    def poll(self) -> Status:
-        return self.status
-
-    @property
-    def error(self) -> str:
-        return self._error
 
     def release(self) -> None:
-        self.released.set()
-
-    def block(self, timeout: float) -> None:
-        self.finished.wait(timeout)
-
-    def failed(self, text: str) -> None:
-        self._error = text
-        self.status = Status.FAILED
-
-    def done(self) -> None:
-        self.status = Status.DONE
+        super().release()
+        self.released.set()  # also ends a stall
 
 
 def _address(backend_id: str) -> bytes:
@@ -136,11 +108,8 @@ class LoopbackBackend(Backend):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(_address(self.id))
         self._sock.setblocking(False)
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stalled: set[_Job] = set()
-        self._worker = threading.Thread(target=self._run, name=f"xferkit-loopback-{self.id}")
-        self._worker.daemon = True
-        self._worker.start()
+        self._worker = BatchWorker(self._execute, name=f"xferkit-loopback-{self.id}")
         allow_writers()
         _LIVE[self.id] = weakref.ref(self)
 
@@ -198,64 +167,48 @@ class LoopbackBackend(Backend):
         if n == self.faults.stall_post_at:
             job.stall = True
             self._stalled.add(job)  # known at once, so close() aborts it even before it runs
-        self._queue.put(job)
+        self._worker.post(job)
         return job
 
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                self._execute(job)
-            except Exception as exc:  # never let the worker die silently
-                job.failed(f"loopback worker error: {type(exc).__name__}: {exc}")
-            job.finished.set()
-
-    def _execute(self, job: _Job) -> None:
+    def _execute(self, job: _Job) -> str | None:
         peer, d = job.peer, job.descs
         if job.stall:
             job.released.wait()
             self._stalled.discard(job)
-            job.failed("stalled post aborted")
-            return
+            return "stalled post aborted"
         if peer.name in self.faults.dropped_peers:
-            job.failed(f"peer {peer.name} is unreachable (connection dropped)")
-            return
+            return f"peer {peer.name} is unreachable (connection dropped)"
         if job.fail is not None:
-            job.failed(job.fail)
-            return
+            return job.fail
         local = _outside(d.src, d.nbytes, *self._arrays)
         if local >= 0:
-            job.failed(f"local address {int(d.src[local]):#x} is not registered")
-            return
+            return f"local address {int(d.src[local]):#x} is not registered"
         same_process = peer.pid == os.getpid()
         if same_process:
             ref = _LIVE.get(peer.id)
             target = ref() if ref is not None else None
             if target is None:
-                job.failed(f"peer {peer.name} is closed")
-                return
+                return f"peer {peer.name} is closed"
             starts, ends = target._arrays
         else:
             starts, ends = peer.starts, peer.ends
         remote = _outside(d.dst, d.nbytes, starts, ends)
         if remote >= 0:
-            job.failed(f"remote address {int(d.dst[remote]):#x} is not registered by {peer.name}")
-            return
+            return f"remote address {int(d.dst[remote]):#x} is not registered by {peer.name}"
         if same_process:
             copy_local(d.src, d.dst, d.nbytes)
         elif d.src.size:
             err, index = write_remote(peer.pid, d.src, d.dst, d.nbytes)
             if err:
-                job.failed(f"descriptor {index}: {explain(err, peer.pid)}")
-                return
+                return f"descriptor {index}: {explain(err, peer.pid)}"
         if job.notify is not None and next(self._notes) != self.faults.lose_notification_at:
             try:
                 self._sock.sendto(
                     msgspec.msgpack.encode((self.peer_name, job.notify)), peer.address
                 )
             except OSError as exc:
-                job.failed(f"data written, but the notification to {peer.name} failed: {exc}")
-                return
-        job.done()
+                return f"data written, but the notification to {peer.name} failed: {exc}"
+        return None
 
     def _notifications(self) -> list[Notification]:
         out = []
@@ -270,7 +223,7 @@ class LoopbackBackend(Backend):
     def _close(self) -> None:
         for job in list(self._stalled):
             job.released.set()
-        self._queue.put(None)
+        self._worker.stop()
         self._worker.join(timeout=10)
         self._sock.close()
         _LIVE.pop(self.id, None)

@@ -11,12 +11,9 @@ never delays the others.
 
 from __future__ import annotations
 
-import queue
-import threading
-
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
-from xferkit import Descriptors, Posted, Status
+from xferkit import BatchWorker, Descriptors, QueuedBatch
 
 from .codes import explain, explain_transfer
 
@@ -34,37 +31,14 @@ def decode_message(text: str) -> bytes:
         return text.encode("utf-8")
 
 
-class Job(Posted):
-    """One posted batch. The worker sets the outcome; ``poll`` only reads it."""
+class Job(QueuedBatch):
+    """One posted batch, with a registered (local, remote) address pair for notify-only posts."""
 
-    __slots__ = ("_error", "anchor", "cancelled", "descs", "finished", "notify", "status")
+    __slots__ = ("anchor",)
 
     def __init__(self, descs: Descriptors, notify: bytes | None, anchor: tuple[int, int]) -> None:
-        self.descs, self.notify, self.anchor = descs, notify, anchor
-        self.status = Status.PENDING
-        self._error = ""
-        self.cancelled = False
-        self.finished = threading.Event()
-
-    def poll(self) -> Status:
-        return self.status
-
-    @property
-    def error(self) -> str:
-        return self._error
-
-    def release(self) -> None:
-        self.cancelled = True  # a batch still queued is dropped; one running finishes
-
-    def block(self, timeout: float) -> None:
-        self.finished.wait(timeout)
-
-    def end(self, error: str | None = None) -> None:
-        if error is None:
-            self.status = Status.DONE
-        else:
-            self._error, self.status = error, Status.FAILED
-        self.finished.set()
+        super().__init__(descs, notify)
+        self.anchor = anchor
 
 
 class Lane:
@@ -73,37 +47,24 @@ class Lane:
     def __init__(self, engine: TransferEngine, segment: str, sender: str) -> None:
         self.segment, self.sender = segment, sender
         self.users = 0  # connected Peer handles using this lane
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, args=(engine,), name=f"xferkit-mooncake-{segment}", daemon=True
+        # The worker's closure holds the engine: it outlives a batch in flight.
+        self._worker = BatchWorker(
+            lambda job: self._execute(engine, job), name=f"xferkit-mooncake-{segment}"
         )
-        self._thread.start()
 
     def post(self, job: Job) -> None:
-        self._queue.put(job)
+        self._worker.post(job)
 
     def stop(self) -> None:
         """Finish the batches already queued, then end the thread."""
-        self._queue.put(None)
+        self._worker.stop()
+
+    def join(self, timeout: float) -> bool:
+        return self._worker.join(timeout)
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self, engine: TransferEngine) -> None:
-        # The thread holds its own reference: the engine outlives a batch in flight.
-        while (job := self._queue.get()) is not None:
-            if job.cancelled:
-                job.end("aborted before it was posted")
-                continue
-            try:
-                job.end(self._execute(engine, job))
-            except Exception as exc:  # never let the worker die silently
-                job.end(f"mooncake worker error: {type(exc).__name__}: {exc}")
+        return self._worker.alive
 
     def _execute(self, engine: TransferEngine, job: Job) -> str | None:
         d = job.descs
