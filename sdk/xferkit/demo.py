@@ -13,38 +13,21 @@ from collections.abc import Callable
 import numpy as np
 
 from .planner import coverage
+from .testing.models import gdn_hybrid
 from .testing.reference import Reference, RegionSpec, WriteCounter, execute
 
 
 def hybrid_specs(layers: int = 8) -> list[RegionSpec]:
-    """A GDN hybrid: every 4th layer full attention (GQA KV), the rest recurrent state.
-
-    The recurrent layers also carry a short-conv ``temporal`` entry with a
-    degenerate shape, as some models do: the manifest must drop it.
-    """
-    specs: list[RegionSpec] = []
-    for layer in range(layers):
-        if layer % 4 == 3:
-            for name in ("k", "v"):
-                specs.append(
-                    RegionSpec(pool="kv", name=name, layer=layer, shape=(16, 4, 32), tp_axis=1)
-                )
-            continue
-        specs += [
-            RegionSpec(
-                pool="state",
-                name="conv",
-                layer=layer,
-                shape=(3, 96),
-                tp_axis=1,
-                tp_groups=(32, 32, 32),
-            ),
-            RegionSpec(
-                pool="state", name="ssm", layer=layer, shape=(8, 16, 16), itemsize=4, tp_axis=0
-            ),
-            RegionSpec(pool="state", name="temporal", layer=layer, shape=(0, 0, 0), itemsize=4),
-        ]
-    return specs
+    """The demo's model: a GDN hybrid with full attention on every 4th layer."""
+    return gdn_hybrid(
+        layers,
+        attention_every=4,
+        page=16,
+        head_dim=32,
+        conv_groups=(32, 32, 32),
+        state_heads=8,
+        state_dim=16,
+    )
 
 
 def run(

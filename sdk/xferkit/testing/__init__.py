@@ -6,6 +6,7 @@ first use, so the reference model works without hypothesis installed.
 
 from typing import Any
 
+from .models import gdn_hybrid
 from .reference import (
     Rank,
     Reference,
@@ -44,6 +45,7 @@ __all__ = [
     "Regions",
     "WriteCounter",
     "execute",
+    "gdn_hybrid",
     "held_indices",
     "layouts",
     "manifest_regions",

@@ -31,40 +31,14 @@ from ..errors import BoundsError, CapabilityError, RegistrationError, TransferEr
 from ..manifest import Manifest, Region
 from ..planner import Descriptors, coverage
 from ..plugins import open_backend
+from .models import gdn_hybrid
 from .peer import Check, Drain, PeerProcess, Setup, Write
 from .reference import Reference, RegionSpec
 
 
-def gdn_hybrid_specs(layers: int = 4) -> list[RegionSpec]:
-    """GDN state ([q|k|v] conv groups, temporal heads), GQA KV and an empty short-conv entry."""
-    specs: list[RegionSpec] = []
-    for layer in range(layers):
-        if layer % 2:
-            specs += [
-                RegionSpec(pool="kv", name=n, layer=layer, shape=(8, 4, 16), tp_axis=1)
-                for n in ("k", "v")
-            ]
-        else:
-            specs += [
-                RegionSpec(
-                    pool="state",
-                    name="conv",
-                    layer=layer,
-                    shape=(3, 48),
-                    tp_axis=1,
-                    tp_groups=(16, 16, 16),
-                ),
-                RegionSpec(
-                    pool="state",
-                    name="temporal",
-                    layer=layer,
-                    shape=(4, 8, 8),
-                    itemsize=4,
-                    tp_axis=0,
-                ),
-                RegionSpec(pool="state", name="sconv", layer=layer, shape=(0, 0), itemsize=4),
-            ]
-    return specs
+def gdn_hybrid_specs() -> list[RegionSpec]:
+    """The kit's model: a small GDN hybrid (see ``xferkit.testing.models.gdn_hybrid``)."""
+    return gdn_hybrid(4)
 
 
 SRC_SLOTS, DST_SLOTS = {"kv": 24, "state": 6}, {"kv": 32, "state": 6}
