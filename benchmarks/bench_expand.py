@@ -8,14 +8,12 @@ the planner's cost alone. Run: `make bench` or `python benchmarks/bench_expand.p
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
+from report import default_out, save
 
 import xferkit as xk
 
@@ -156,7 +154,7 @@ def run(repeat: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=21)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "expand.json"))
+    parser.add_argument("--out", default=default_out("expand"))
     args = parser.parse_args()
     rows = run(args.repeat)
     head = f"{'case':<24}{'pages':<12}{'descriptors':>12}{'per-token':>11}{'MiB':>9}"
@@ -166,11 +164,7 @@ def main() -> None:
             f"{r['case']:<24}{r['pages']:<12}{r['descriptors']:>12,}{r['per_token_slot']:>11,}"
             f"{r['bytes'] / 2**20:>9.1f}{r['expand_us']:>11.0f}{r['plan_ms']:>9.1f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"python": platform.python_version(), "numpy": np.__version__, "repeat": args.repeat}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    save(args.out, rows, repeat=args.repeat)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,11 @@ table and writes benchmarks/results/loopback.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
+from report import default_out, save
 
 import xferkit as xk
 from xferkit.testing.peer import PeerProcess, Setup
@@ -121,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per run, in MiB")
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "loopback.json"))
+    parser.add_argument("--out", default=default_out("loopback"))
     args = parser.parse_args()
     rows = run(args.mib, args.repeat)
     print(
@@ -135,11 +133,7 @@ def main() -> None:
             f"{r['cross_process_gbps']:>13.2f}{r['cross_process_ratio']:>7.2f}"
             f"{r['cross_process_mdesc_s']:>9.2f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"python": platform.python_version(), "numpy": np.__version__, "mib": args.mib}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    save(args.out, rows, mib=args.mib, repeat=args.repeat)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,12 @@ benchmarks/results/mooncake.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 from mooncake.engine import TransferEngine
+from report import default_out, save
 
 import xferkit as xk
 from xferkit.testing.peer import PeerProcess, Setup
@@ -171,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=64, help="bytes moved per run, in MiB")
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "mooncake.json"))
+    parser.add_argument("--out", default=default_out("mooncake"))
     args = parser.parse_args()
     rows = run(args.mib, args.repeat)
     print(
@@ -185,17 +183,13 @@ def main() -> None:
             f"{r['ratio_of_best']:>9.3f}{r['plugin_overhead_ms']:>8.2f} ms"
             f"{r['plugin_overhead_share']:>6.1%}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "mib": args.mib,
-        "repeat": args.repeat,
-        "transport": "mooncake tcp, 127.0.0.1, two processes",
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    save(
+        args.out,
+        rows,
+        mib=args.mib,
+        repeat=args.repeat,
+        transport="mooncake tcp, 127.0.0.1, two processes",
+    )
 
 
 if __name__ == "__main__":

@@ -28,15 +28,13 @@ Prints tables and writes benchmarks/results/nixl.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import msgspec
 import numpy as np
+from report import default_out, save
 
 import xferkit as xk
 from xferkit.testing.peer import Check, PeerProcess, Setup
@@ -347,21 +345,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--total-mib", type=int, default=64, help="bytes per write, MiB")
     parser.add_argument("--rounds", type=int, default=41)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "nixl.json"))
+    parser.add_argument("--out", default=default_out("nixl"))
     args = parser.parse_args()
     rows = run(args.total_mib, args.rounds)
     _print(rows, args.total_mib, args.rounds)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(),
-        "total_mib": args.total_mib,
-        "rounds": args.rounds,
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print()
+    save(args.out, rows, total_mib=args.total_mib, rounds=args.rounds)
 
 
 if __name__ == "__main__":
