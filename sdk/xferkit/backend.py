@@ -118,10 +118,11 @@ def _inside(addrs: np.ndarray, nbytes: np.ndarray, starts, ends) -> np.ndarray:
     """Mask of pieces lying inside one region of the table (vectorized)."""
     if not starts.size:
         return np.zeros(addrs.size, dtype=bool)
-    where = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    where = np.searchsorted(starts, addrs, side="right") - 1  # -1: below every region
     ends_at = addrs + nbytes
+    # ends[-1] for where == -1 is harmless: that piece is already marked outside.
     inside = (where >= 0) & (ends_at >= addrs)  # the second catches uint64 wrap-around
-    inside &= ends_at <= ends[np.maximum(where, 0)]
+    inside &= ends_at <= ends[where]
     return inside
 
 
