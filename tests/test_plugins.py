@@ -313,3 +313,13 @@ def test_reset_forgets_uninstalled_plugins(install):
     assert _listed("fake")  # cached until reset
     _reset()
     assert not _listed("fake") and _listed("loopback")
+
+
+def test_cli_lists_backends(capsys):
+    from xferkit.cli import main
+
+    assert main(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (loopback,) = [line for line in lines if line.startswith("loopback ")]
+    assert "xferkit-loopback" in loopback and loopback.endswith("usable")
+    assert len(lines) == len(backends())

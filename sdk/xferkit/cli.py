@@ -13,11 +13,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--src-tp", type=int, default=2)
     demo.add_argument("--dst-tp", type=int, default=4)
     demo.add_argument("--layers", type=int, default=8)
+    sub.add_parser("backends", help="list installed backends and whether they work here")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
 
         return 0 if run(args.src_tp, args.dst_tp, args.layers) else 1
+    if args.command == "backends":
+        from .plugins import backends
+
+        for b in backends():
+            state = "usable" if b.available else f"unusable: {b.reason}"
+            print(f"{b.name:<12}{b.distribution} {b.version:<10}{state}")
+        return 0
     return 2
 
 
