@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import pytest
-
-try:
-    import nixl._api  # noqa: F401
-except ImportError:
-    try:
-        import nixl_cu12._api  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(
-            f"nixl is not installed ({exc}); pip install --no-deps nixl-cu12 nixl",
-            allow_module_level=True,
-        )
+from drivers import require_nixl
 
 from xferkit.testing.conformance import BackendConformance
+
+require_nixl()
 
 
 class TestNixl(BackendConformance):

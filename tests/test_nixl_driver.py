@@ -16,22 +16,14 @@ import time
 import msgspec
 import numpy as np
 import pytest
-
-try:
-    import nixl._api  # noqa: F401
-except ImportError:
-    try:
-        import nixl_cu12._api  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(
-            f"nixl is not installed ({exc}); pip install --no-deps nixl-cu12 nixl",
-            allow_module_level=True,
-        )
+from drivers import require_nixl
 
 import xferkit as xk
 import xferkit_nixl
 from xferkit_nixl.memory import memory_kind
 from xferkit_nixl.ucx_env import apply_defaults, ucx_modules_default
+
+require_nixl()
 
 PAGE = 4096
 

@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-try:
-    import nixl._api  # noqa: F401
-except ImportError:
-    try:
-        import nixl_cu12._api  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(
-            f"nixl is not installed ({exc}); pip install --no-deps nixl-cu12 nixl",
-            allow_module_level=True,
-        )
+from drivers import require_nixl
 
 import xferkit as xk
 from xferkit.testing.peer import Check, Drain, PeerProcess, Setup, Write
 from xferkit.testing.reference import Reference, RegionSpec
+
+require_nixl()
 
 SRC_TP, DST_TP = 4, 8
 SRC_SLOTS, DST_SLOTS = {"kv": 24, "state": 6}, {"kv": 32, "state": 6}
