@@ -185,7 +185,9 @@ class Plan:
         return src, dst, cont
 
 
-_NO_PIECES = Pieces(*(np.zeros(0, dtype=np.uint64) for _ in range(3)))
+_EMPTY = np.zeros(0, dtype=np.uint64)
+_EMPTY.setflags(write=False)
+_NO_PIECES = Pieces(_EMPTY, _EMPTY, _EMPTY)
 
 
 def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray:
@@ -248,6 +250,8 @@ def _coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Pieces:
     start = np.ones(src.size, dtype=bool)
     start[1:] = (src[:-1] + nbytes[:-1] != src[1:]) | (dst[:-1] + nbytes[:-1] != dst[1:])
     out = _compress(src, dst, nbytes, start)
+    for array in (out.src, out.dst, out.nbytes):
+        array.setflags(write=False)  # tables are cached and shared between plans
     return Pieces(out.src, out.dst, out.nbytes)
 
 
