@@ -16,6 +16,7 @@ import numpy as np
 from report import default_out, save
 
 import xferkit as xk
+from xferkit.backend import _inside, _region_table
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, TOKENS, BF16 = 80, 8, 128, 64, 8192, 2
 POOL_PAGES = 4096  # pages each rank's pool holds
@@ -103,6 +104,13 @@ def _pages(rng: np.random.Generator, count: int, scattered: bool) -> np.ndarray:
     return np.arange(100, 100 + count)
 
 
+def _scan(d: xk.Descriptors, src: xk.Manifest, dst: xk.Manifest) -> None:
+    """The core's bounds scan, which plan-made descriptors skip (what hand-made ones cost)."""
+    for addrs, m in ((d.src, src), (d.dst, dst)):
+        starts, ends, _ = _region_table(m)
+        assert _inside(addrs, d.nbytes, starts, ends).all()
+
+
 def _time(fn, repeat: int) -> float:
     fn()  # warm
     runs = []
@@ -146,6 +154,7 @@ def run(repeat: int) -> list[dict]:
                     "bytes": descs.total_bytes,
                     "expand_us": _time(lambda s=slots, p=p: p.expand(s), repeat) * 1e6,
                     "plan_ms": plan_s * 1e3,
+                    "scan_us": _time(lambda d=descs, m=(src, dst): _scan(d, *m), repeat) * 1e6,
                 }
             )
     return rows
@@ -158,11 +167,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(args.repeat)
     head = f"{'case':<24}{'pages':<12}{'descriptors':>12}{'per-token':>11}{'MiB':>9}"
-    print(head + f"{'expand us':>11}{'plan ms':>9}")
+    print(head + f"{'expand us':>11}{'plan ms':>9}{'scan us':>9}")
     for r in rows:
         print(
             f"{r['case']:<24}{r['pages']:<12}{r['descriptors']:>12,}{r['per_token_slot']:>11,}"
             f"{r['bytes'] / 2**20:>9.1f}{r['expand_us']:>11.0f}{r['plan_ms']:>9.1f}"
+            f"{r['scan_us']:>9.0f}"
         )
     save(args.out, rows, repeat=args.repeat)
 

@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 import pytest
 
+import xferkit as xk
 from xferkit import (
     CONTRACT_VERSION,
     Backend,
@@ -709,3 +710,62 @@ def test_fault_counters_run_across_transfers(loopback_pair):
         except TransferError as exc:
             results.append(exc.args[0].rsplit(": ", 1)[-1])
     assert results == ["ok", "ok", "injected failure of post #3", "ok"]
+
+
+# -- descriptors a plan made for exactly these manifests ------------------------------
+
+
+def _planned_pair():
+    """Two loopback backends holding a 2 -> 2 KV layout, and a plan between them."""
+    from xferkit.testing import Reference, RegionSpec
+
+    spec = RegionSpec(pool="kv", name="k", layer=0, shape=(4, 8), tp_axis=0)
+    ref = Reference([spec], src_tp=1, dst_tp=1, src_slots={"kv": 8}, dst_slots={"kv": 8})
+    a, b = xk.open_backend("loopback"), xk.open_backend("loopback")
+    a.register(ref.srcs[0].manifest)
+    b.register(ref.dsts[0].manifest)
+    return ref, a, b
+
+
+def test_planned_descriptors_skip_the_bounds_scan_only_when_provably_in_bounds(monkeypatch):
+    import xferkit.backend as core
+
+    ref, a, b = _planned_pair()
+    scans = []
+    real = core._inside
+    monkeypatch.setattr(core, "_inside", lambda *args: scans.append(1) or real(*args))
+    request = {"kv": ([1, 2, 3], [5, 6, 7])}
+    with a, b:
+        dst_manifest = ref.dsts[0].manifest
+        descs = xk.plan(ref.srcs[0].manifest, dst_manifest).expand(request)
+        assert descs.origin == (ref.srcs[0].manifest, dst_manifest)
+        with pytest.raises(ValueError):
+            descs.src[0] = 0  # read-only: what the plan proved stays true
+        peer = a.connect(b.endpoint(), dst_manifest)
+        a.write(peer, descs).wait(10)
+        assert scans == []  # proven by construction: no scan
+        ref.check(0, request)
+        # The peer advertised an equal manifest, but not the one planned for: scan.
+        twin = xk.Manifest.decode(dst_manifest.encode())
+        a.write(a.connect(b.endpoint(), twin), descs).wait(10)
+        assert len(scans) == 2
+        # Arrays made writable again are no longer trusted.
+        scans.clear()
+        loose = xk.Descriptors(
+            descs.src.copy(), descs.dst.copy(), descs.nbytes.copy(), descs.origin
+        )
+        a.write(peer, loose).wait(10)
+        assert len(scans) == 2
+
+
+def test_tampered_planned_descriptors_are_still_refused():
+    ref, a, b = _planned_pair()
+    with a, b:
+        dst_manifest = ref.dsts[0].manifest
+        descs = xk.plan(ref.srcs[0].manifest, dst_manifest).expand({"kv": ([1], [5])})
+        bad = descs.dst.copy()
+        bad[0] += np.uint64(1 << 40)
+        forged = xk.Descriptors(descs.src, bad, descs.nbytes, descs.origin)
+        peer = a.connect(b.endpoint(), dst_manifest)
+        with pytest.raises(xk.BoundsError):
+            a.write(peer, forged)

@@ -138,12 +138,12 @@ class Transfer:
         self,
         backend: Backend,
         peer: Peer,
+        descs: Descriptors,
         batches: list[Descriptors],
         notify: bytes | None,
     ) -> None:
         self.peer = peer
-        self.descriptors = sum(len(b) for b in batches)
-        self.nbytes = sum(b.total_bytes for b in batches)
+        self.descs = descs
         self.error: TransferError | None = None
         self._backend = backend
         self._waiting = batches  # not yet posted
@@ -201,6 +201,14 @@ class Transfer:
                 if self.error is not None:
                     self.error.attach(exc)
         self._posted.clear()
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.descs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.descs.total_bytes
 
     def poll(self) -> Status:
         if self._status is Status.PENDING:
@@ -351,16 +359,20 @@ class Backend(ABC):
         if self._local is None:
             raise BoundsError(f"{self.name}: nothing is registered; register() a manifest first")
         self._check_descriptors(peer, descs)
-        step = self.capabilities.max_batch or max(len(descs), 1)
-        batches = [
-            Descriptors(
-                descs.src[i : i + step], descs.dst[i : i + step], descs.nbytes[i : i + step]
-            )
-            for i in range(0, len(descs), step)
-        ]
-        if not batches and notify is not None:
-            batches = [descs]  # a notification alone still travels, as an empty batch
-        return Transfer(self, peer, batches, notify)
+        step = self.capabilities.max_batch
+        if len(descs) == 0:
+            # A notification alone still travels, as an empty batch.
+            batches = [descs] if notify is not None else []
+        elif not step or len(descs) <= step:
+            batches = [descs]
+        else:
+            batches = [
+                Descriptors(
+                    descs.src[i : i + step], descs.dst[i : i + step], descs.nbytes[i : i + step]
+                )
+                for i in range(0, len(descs), step)
+            ]
+        return Transfer(self, peer, descs, batches, notify)
 
     def notifications(self) -> list[Notification]:
         """Drain the notifications received since the last call."""
@@ -398,6 +410,13 @@ class Backend(ABC):
             not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.uint64 for a in arrays
         ) or not (d.src.size == d.dst.size == d.nbytes.size):
             raise BoundsError("descriptors must be three 1-D uint64 arrays of one length")
+        if (
+            d.origin is not None
+            and d.origin[0] is self._manifest
+            and d.origin[1] is peer.manifest
+            and not any(a.flags.writeable for a in arrays)
+        ):
+            return  # expanded by a plan over exactly these manifests: in bounds, non-empty
         least = max(self.capabilities.min_transfer, 1)
         if d.nbytes.size and d.nbytes.min() < least:
             i = int(np.argmax(d.nbytes < least))

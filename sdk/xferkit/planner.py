@@ -29,12 +29,25 @@ class Descriptors:
 
     They stay in the process that made them (a driver reads the arrays), so
     this is a plain container rather than a wire struct.
+
+    ``origin`` is the (source, destination) manifest pair a ``Plan`` expanded
+    them for, with the arrays made read-only: such descriptors lie inside
+    those manifests by construction, so a backend that registered the same
+    source manifest, writing to a peer that advertised the same destination
+    manifest, need not check their bounds again (on a heterogeneous NHD
+    request that check costs several times the expansion).
     """
 
-    __slots__ = ("dst", "nbytes", "src")
+    __slots__ = ("dst", "nbytes", "origin", "src")
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-        self.src, self.dst, self.nbytes = src, dst, nbytes
+    def __init__(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        nbytes: np.ndarray,
+        origin: tuple[Manifest, Manifest] | None = None,
+    ) -> None:
+        self.src, self.dst, self.nbytes, self.origin = src, dst, nbytes, origin
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptors):
@@ -67,10 +80,12 @@ class Descriptors:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
+        origin = parts[0].origin
         return cls(
             np.concatenate([p.src for p in parts]),
             np.concatenate([p.dst for p in parts]),
             np.concatenate([p.nbytes for p in parts]),
+            origin if all(p.origin is origin for p in parts) else None,
         )
 
 
@@ -102,7 +117,16 @@ class Plan:
     Compute once per manifest pair with ``plan(src, dst)``; call ``expand`` per request.
     """
 
-    __slots__ = ("_groups", "_known", "_pieces", "dst_rank", "dst_slots", "src_rank", "src_slots")
+    __slots__ = (
+        "_groups",
+        "_known",
+        "_origin",
+        "_pieces",
+        "dst_rank",
+        "dst_slots",
+        "src_rank",
+        "src_slots",
+    )
 
     def __init__(
         self,
@@ -120,6 +144,7 @@ class Plan:
         self._known = set(dst.pools) | {k[0] for k in dst.dropped_keys}
         self._groups = groups
         self._pieces = pieces
+        self._origin = (src, dst)
 
     @property
     def keys(self) -> tuple[RegionKey, ...]:
@@ -151,7 +176,10 @@ class Plan:
         """
         requests = {pool: self._slot_runs(pool, pair) for pool, pair in slots.items()}
         parts = [_expand_group(g, *requests[g.pool]) for g in self._groups if g.pool in requests]
-        return Descriptors.concat([p for p in parts if len(p)])
+        out = Descriptors.concat([p for p in parts if len(p)])
+        for array in (out.src, out.dst, out.nbytes):
+            array.setflags(write=False)
+        return Descriptors(out.src, out.dst, out.nbytes, self._origin)
 
     def _slot_runs(
         self, pool: str, pair: tuple[object, object]
