@@ -8,14 +8,14 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml)
+$(STAMP): pyproject.toml constraints.txt $(wildcard plugins/*/pyproject.toml)
 	$(MAKE) sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]' -e plugins/loopback \
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]' -e plugins/loopback \
 		-e 'plugins/mooncake[cpu]' -e plugins/nixl
 	# NIXL declares torch (a multi-GB CUDA build here): install it without dependencies.
-	$(BIN)/python -m pip install --quiet --no-deps nixl-cu12 nixl
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps nixl-cu12 nixl
 	touch $(STAMP)
 
 # System libraries the RDMA drivers load at run time (installed where we are root).
