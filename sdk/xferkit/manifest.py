@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -245,9 +246,9 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
         return _frozen([0 if r.tp_axis is None else r.slot_shape[r.tp_axis] for r in self.regions])
 
     @cached_property
-    def pools(self) -> dict[str, int]:
-        """Slot count of each pool."""
-        return {r.pool: r.slots for r in self.regions}
+    def pools(self) -> Mapping[str, int]:
+        """Slot count of each pool (read-only)."""
+        return MappingProxyType({r.pool: r.slots for r in self.regions})
 
     @cached_property
     def dropped_keys(self) -> frozenset[RegionKey]:
