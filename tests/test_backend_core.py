@@ -741,6 +741,8 @@ def test_planned_descriptors_skip_the_bounds_scan_only_when_provably_in_bounds(m
         assert descs.origin == (ref.srcs[0].manifest, dst_manifest)
         with pytest.raises(ValueError):
             descs.src[0] = 0  # read-only: what the plan proved stays true
+        with pytest.raises(ValueError):
+            descs.dst.setflags(write=True)  # and cannot simply be unlocked
         peer = a.connect(b.endpoint(), dst_manifest)
         a.write(peer, descs).wait(10)
         assert scans == []  # proven by construction: no scan
@@ -749,23 +751,132 @@ def test_planned_descriptors_skip_the_bounds_scan_only_when_provably_in_bounds(m
         twin = xk.Manifest.decode(dst_manifest.encode())
         a.write(a.connect(b.endpoint(), twin), descs).wait(10)
         assert len(scans) == 2
-        # Arrays made writable again are no longer trusted.
-        scans.clear()
-        loose = xk.Descriptors(
-            descs.src.copy(), descs.dst.copy(), descs.nbytes.copy(), descs.origin
-        )
-        a.write(peer, loose).wait(10)
-        assert len(scans) == 2
 
 
-def test_tampered_planned_descriptors_are_still_refused():
+def test_forged_or_unlocked_descriptors_lose_the_seal_and_are_refused():
     ref, a, b = _planned_pair()
     with a, b:
         dst_manifest = ref.dsts[0].manifest
         descs = xk.plan(ref.srcs[0].manifest, dst_manifest).expand({"kv": ([1], [5])})
-        bad = descs.dst.copy()
-        bad[0] += np.uint64(1 << 40)
-        forged = xk.Descriptors(descs.src, bad, descs.nbytes, descs.origin)
         peer = a.connect(b.endpoint(), dst_manifest)
-        with pytest.raises(xk.BoundsError):
-            a.write(peer, forged)
+        far = descs.dst + np.uint64(1 << 40)
+        far.setflags(write=False)
+        forged = [
+            Descriptors(descs.src, far, descs.nbytes),  # new arrays, even read-only ones
+            Descriptors(descs.src, descs.dst, descs.nbytes),  # rewrapped: no seal either
+        ]
+        tampered = xk.plan(ref.srcs[0].manifest, dst_manifest).expand({"kv": ([1], [5])})
+        tampered.dst = far  # an array swapped in
+        for d in (*forged, tampered):
+            assert d.origin is None
+        for d in (forged[0], tampered):
+            with pytest.raises(xk.BoundsError):
+                a.write(peer, d)
+
+
+def test_sealed_descriptors_still_meet_the_drivers_smallest_transfer():
+    ref, a, b = _planned_pair()
+    with a, b:
+        a.capabilities = msgspec.structs.replace(a.capabilities, min_transfer=1 << 20)
+        dst_manifest = ref.dsts[0].manifest
+        descs = xk.plan(ref.srcs[0].manifest, dst_manifest).expand({"kv": ([1], [5])})
+        assert descs.origin is not None
+        with pytest.raises(xk.BoundsError, match="moves at least"):
+            a.write(a.connect(b.endpoint(), dst_manifest), descs)
+
+
+# -- failures in the middle of things ---------------------------------------------------
+
+
+def test_a_refused_post_after_a_failed_batch_is_attached_to_that_failure(mem_pair):
+    """The earlier batch's failure is the root cause; the refusal it provoked comes second."""
+    p = mem_pair(Capabilities(max_batch=2), gated=True)
+    a = p.a
+    real_post = a._post
+    posts = []
+
+    def post(handle, descs, notify):
+        posts.append(descs)
+        if len(posts) == 2:
+            a.jobs[0].run(fail="connection reset by peer (root cause)")
+            raise RuntimeError("endpoint is in error state")
+        return real_post(handle, descs, notify)
+
+    a._post = post
+    base_s, base_d = p.src.ctypes.data, p.dst.ctypes.data
+    t = a.write(p.peer, _descs([base_s] * 5, [base_d + 8 * i for i in range(5)], [8] * 5))
+    with pytest.raises(TransferError) as info:
+        t.wait(5)
+    err = info.value
+    assert "root cause" in str(err).split("(then")[0]
+    assert [str(e) for e in err.followups] == [
+        "posting 2 descriptors failed: endpoint is in error state"
+    ]
+
+
+class _BatchRaises(MemBackend):
+    """A driver whose batch registration registers some regions, then raises."""
+
+    def _register_batch(self, regions):
+        for r in regions[:2]:
+            self._register_region(r)
+        raise RuntimeError("engine refused kv/r2[0]")
+
+
+def test_a_raising_batch_registration_rolls_back_everything_it_may_have_held():
+    bufs = [_buffer(256, i) for i in range(4)]
+    b = _BatchRaises()
+    with pytest.raises(RegistrationError, match="engine refused") as info:
+        b.register(_manifest(bufs, "r"))
+    assert "raised instead of naming the failing region" in str(info.value)
+    assert b.registered == set() and b.manifest is None
+    b.close()
+
+
+def test_extra_results_from_a_batch_registration_are_ignored():
+    class TooMany(MemBackend):
+        def _register_batch(self, regions):
+            return [*super()._register_batch(regions), None, None]
+
+    b = TooMany()
+    m = _manifest([_buffer(64, 1)], "r")
+    b.register(m)
+    assert b.manifest is m
+    b.close()
+
+
+def test_close_runs_every_step_and_reports_the_first_failure():
+    a, b = MemBackend(), MemBackend()
+    a.register(_manifest([_buffer(64, 1)], "src"))
+    b.register(_manifest([_buffer(64, 2)], "dst"))
+    a.connect(b.endpoint(), b.manifest)
+
+    def broken_disconnect(handle):
+        raise RuntimeError("disconnect failed")
+
+    def broken_close():
+        raise RuntimeError("close failed (secondary)")
+
+    a._disconnect = broken_disconnect
+    a.refuse_deregister = {"p0/src[0]": RuntimeError("deregister failed")}
+    a._close = broken_close
+    with pytest.raises(RuntimeError, match="disconnect failed"):
+        a.close()
+    # Deregistration and the driver's close still ran, although disconnecting failed first.
+    assert ("deregister", "p0/src[0]") in a.calls
+    a.close()  # idempotent, even after a failed close
+    b.close()
+
+
+def test_close_attaches_later_failures_to_a_first_xfer_error():
+    a = MemBackend()
+    a.register(_manifest([_buffer(64, 1)], "src"))
+    a.refuse_deregister = {"p0/src[0]": RuntimeError("deregister failed")}
+
+    def broken_close():
+        raise RuntimeError("close failed (secondary)")
+
+    a._close = broken_close
+    with pytest.raises(RegistrationError, match="deregister failed") as info:
+        a.close()
+    assert [str(e) for e in info.value.followups] == ["close failed (secondary)"]

@@ -10,7 +10,9 @@ receives a zero-length region or descriptor.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import os
 import socket
 import time
@@ -31,6 +33,8 @@ from .errors import (
 )
 from .manifest import Manifest, Region
 from .planner import Descriptors
+
+log = logging.getLogger("xferkit")
 
 CONTRACT_VERSION = 1
 """Bumped whenever the driver primitives change; plugins declare the one they implement."""
@@ -131,7 +135,9 @@ class Transfer:
 
     Large descriptor sets go out in several driver batches; the notification
     rides on the last batch, posted only once every other batch is done, so
-    the peer never sees it before the data.
+    the peer never sees it before the data. That last batch is posted by
+    ``poll`` (or ``wait``): a split write progresses while its sender polls it,
+    as an engine does anyway to learn when the source memory is free again.
     """
 
     def __init__(
@@ -156,7 +162,12 @@ class Transfer:
         try:
             self._posted.append(self._backend._post(self.peer.handle, batch, notify))
         except Exception as exc:  # the driver refused the post itself
-            self._fail(f"posting {len(batch)} descriptors failed: {exc}", exc)
+            refusal = f"posting {len(batch)} descriptors failed: {exc}"
+            earlier = next((p for p in self._posted if p.poll() is Status.FAILED), None)
+            if earlier is None:
+                self._fail(refusal, exc)
+            else:  # an earlier batch failed first: the refusal is its consequence
+                self._fail(earlier.error, later=TransferError(refusal, subject=self.peer.name))
 
     def _advance(self) -> None:
         if self._status is not Status.PENDING:
@@ -179,7 +190,9 @@ class Transfer:
                 return
             self._finish(Status.DONE)
 
-    def _fail(self, text: str, cause: BaseException | None = None) -> None:
+    def _fail(
+        self, text: str, cause: BaseException | None = None, later: XferError | None = None
+    ) -> None:
         self.error = TransferError(
             f"write to peer {self.peer.name} failed: {text}", subject=self.peer.name
         )
@@ -189,6 +202,8 @@ class Transfer:
         for p in self._posted:
             if p.poll() is Status.FAILED and p.error != text:
                 self.error.attach(TransferError(p.error, subject=self.peer.name))
+        if later is not None:
+            self.error.attach(later)
         self._waiting.clear()
         self._finish(Status.FAILED)
 
@@ -200,6 +215,8 @@ class Transfer:
             except Exception as exc:
                 if self.error is not None:
                     self.error.attach(exc)
+                else:  # the data arrived; a driver handle may have leaked
+                    log.warning("%s: releasing a completed batch failed: %s", self.peer.name, exc)
         self._posted.clear()
 
     @property
@@ -269,9 +286,9 @@ class Backend(ABC):
                 )
         regions = list(manifest.regions)
         try:
-            results = list(self._register_batch(regions))
-        except Exception as exc:  # a driver that raised instead of reporting per region
-            results = [exc]
+            results = list(self._register_batch(regions))[: len(regions)]
+        except Exception as exc:  # the driver raised instead of reporting per region
+            self._unregister_unknown(regions, exc)
         failed = next((i for i, res in enumerate(results) if res is not None), None)
         if failed is None and len(results) != len(regions):
             failed = len(results)
@@ -294,6 +311,18 @@ class Backend(ABC):
             raise error
         self._manifest = manifest
         self._local = _region_table(manifest)
+
+    def _unregister_unknown(self, regions: list[Region], cause: Exception) -> None:
+        """A batch registration raised: which regions it left registered is unknown."""
+        error = RegistrationError(
+            f"{self.name} failed while registering {len(regions)} regions (the driver raised "
+            f"instead of naming the failing region): {cause}"
+        )
+        error.__cause__ = cause
+        for r in reversed(regions):  # release whatever it held; refusals are expected here
+            with contextlib.suppress(Exception):
+                self._deregister_region(r)
+        raise error
 
     def deregister(self) -> None:
         """Release every registered region; calling it again does nothing."""
@@ -384,13 +413,19 @@ class Backend(ABC):
         """Disconnect peers, deregister memory and release the driver; idempotent."""
         if self._closed:
             return
-        try:
-            for peer in list(self._peers):
-                self.disconnect(peer)
-            self.deregister()
-        finally:
-            self._closed = True
-            self._close()
+        self._closed = True
+        first: BaseException | None = None
+        steps = [lambda p=p: self.disconnect(p) for p in list(self._peers)]
+        for step in (*steps, self.deregister, self._close):  # every step runs, whatever fails
+            try:
+                step()
+            except Exception as exc:
+                if first is None:
+                    first = exc
+                elif isinstance(first, XferError):
+                    first.attach(exc)
+        if first is not None:
+            raise first
 
     def __enter__(self) -> Backend:
         return self
@@ -410,13 +445,6 @@ class Backend(ABC):
             not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.uint64 for a in arrays
         ) or not (d.src.size == d.dst.size == d.nbytes.size):
             raise BoundsError("descriptors must be three 1-D uint64 arrays of one length")
-        if (
-            d.origin is not None
-            and d.origin[0] is self._manifest
-            and d.origin[1] is peer.manifest
-            and not any(a.flags.writeable for a in arrays)
-        ):
-            return  # expanded by a plan over exactly these manifests: in bounds, non-empty
         least = max(self.capabilities.min_transfer, 1)
         if d.nbytes.size and d.nbytes.min() < least:
             i = int(np.argmax(d.nbytes < least))
@@ -425,6 +453,9 @@ class Backend(ABC):
                 subject=i,
             )
         assert self._local is not None and self._manifest is not None
+        origin = d.origin
+        if origin is not None and origin[0] is self._manifest and origin[1] is peer.manifest:
+            return  # sealed by a plan over exactly these two manifests: in bounds
         for side, addrs, table, manifest, where in (
             ("source", d.src, self._local, self._manifest, "registered locally"),
             (

@@ -30,24 +30,45 @@ class Descriptors:
     They stay in the process that made them (a driver reads the arrays), so
     this is a plain container rather than a wire struct.
 
-    ``origin`` is the (source, destination) manifest pair a ``Plan`` expanded
-    them for, with the arrays made read-only: such descriptors lie inside
-    those manifests by construction, so a backend that registered the same
-    source manifest, writing to a peer that advertised the same destination
-    manifest, need not check their bounds again (on a heterogeneous NHD
-    request that check costs several times the expansion).
+    Descriptors a ``Plan`` expanded are sealed: their arrays are read-only and
+    ``origin`` names the (source, destination) manifest pair they lie inside
+    by construction, so a backend that registered that source manifest,
+    writing to a peer that advertised that destination manifest, need not scan
+    their bounds again (on a heterogeneous NHD request the scan costs several
+    times the expansion). Replacing or unlocking an array breaks the seal.
     """
 
-    __slots__ = ("dst", "nbytes", "origin", "src")
+    __slots__ = ("_seal", "dst", "nbytes", "src")
 
-    def __init__(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        nbytes: np.ndarray,
-        origin: tuple[Manifest, Manifest] | None = None,
-    ) -> None:
-        self.src, self.dst, self.nbytes, self.origin = src, dst, nbytes, origin
+    def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        self.src, self.dst, self.nbytes = src, dst, nbytes
+        self._seal: tuple[Manifest, Manifest, tuple[np.ndarray, ...]] | None = None
+
+    @property
+    def origin(self) -> tuple[Manifest, Manifest] | None:
+        """The manifest pair a plan expanded these for, while they are as it made them."""
+        if self._seal is None:
+            return None
+        src, dst, arrays = self._seal
+        current = (self.src, self.dst, self.nbytes)
+        if any(a is not b or a.flags.writeable for a, b in zip(current, arrays, strict=True)):
+            return None
+        return src, dst
+
+    def _sealed(self, src: Manifest, dst: Manifest) -> Descriptors:
+        """Read-only views over read-only arrays, bound to the manifests they lie in."""
+        views = []
+        for a in (self.src, self.dst, self.nbytes):
+            root = a  # expand's arrays are its own temporaries: lock their memory's owner
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            root.setflags(write=False)
+            view = a.view()
+            view.setflags(write=False)
+            views.append(view)
+        out = Descriptors(*views)
+        out._seal = (src, dst, tuple(views))
+        return out
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptors):
@@ -80,12 +101,10 @@ class Descriptors:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
-        origin = parts[0].origin
         return cls(
             np.concatenate([p.src for p in parts]),
             np.concatenate([p.dst for p in parts]),
             np.concatenate([p.nbytes for p in parts]),
-            origin if all(p.origin is origin for p in parts) else None,
         )
 
 
@@ -176,10 +195,7 @@ class Plan:
         """
         requests = {pool: self._slot_runs(pool, pair) for pool, pair in slots.items()}
         parts = [_expand_group(g, *requests[g.pool]) for g in self._groups if g.pool in requests]
-        out = Descriptors.concat([p for p in parts if len(p)])
-        for array in (out.src, out.dst, out.nbytes):
-            array.setflags(write=False)
-        return Descriptors(out.src, out.dst, out.nbytes, self._origin)
+        return Descriptors.concat([p for p in parts if len(p)])._sealed(*self._origin)
 
     def _slot_runs(
         self, pool: str, pair: tuple[object, object]
