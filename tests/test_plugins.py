@@ -214,6 +214,18 @@ def test_two_plugins_claiming_one_name(install):
     assert _listed("loopback")[0].available
 
 
+def test_an_entry_point_name_shared_with_a_builtin_hides_nothing(install):
+    """Entry-point names are per distribution: a third party's "loopback" entry is its own."""
+    install.dist(
+        "thirdparty-fast",
+        {"thirdparty_fast": _plugin("BackendSpec(name='fast', target='thirdparty_fast:D')")},
+        {"loopback": "thirdparty_fast"},
+    )
+    names = {(b.name, b.distribution) for b in backends()}
+    assert {("fast", "thirdparty-fast"), ("loopback", "xferkit-loopback")} <= names
+    assert _listed("loopback")[0].available
+
+
 def test_plugin_for_another_contract_version(install):
     install.dist(
         "fakeplug-future",

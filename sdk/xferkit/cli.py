@@ -6,19 +6,31 @@ import argparse
 import sys
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xferkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="plan and execute a heterogeneous-TP handoff in memory")
-    demo.add_argument("--src-tp", type=int, default=2)
-    demo.add_argument("--dst-tp", type=int, default=4)
-    demo.add_argument("--layers", type=int, default=8)
+    demo.add_argument("--src-tp", type=_positive, default=2)
+    demo.add_argument("--dst-tp", type=_positive, default=4)
+    demo.add_argument("--layers", type=_positive, default=8)
     sub.add_parser("backends", help="list installed backends and whether they work here")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
+        from .errors import XferError
 
-        return 0 if run(args.src_tp, args.dst_tp, args.layers) else 1
+        try:
+            return 0 if run(args.src_tp, args.dst_tp, args.layers) else 1
+        except XferError as exc:
+            print(f"xferkit demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     if args.command == "backends":
         from .plugins import backends
 

@@ -63,25 +63,30 @@ def _discover() -> tuple[_Found, ...]:
     pm = pluggy.PluginManager("xferkit")
     pm.add_hookspecs(_Hooks)
     found: list[_Found] = []
-    for ep in importlib.metadata.entry_points(group="xferkit"):  # one by one, to name a failure
+    owners: dict[int, tuple[str, str, str]] = {}  # plugin -> (distribution, version, entry)
+    # Each entry point is loaded on its own, under its distribution's name, so that one
+    # that fails is named, and two distributions using one entry-point name both load.
+    for ep in importlib.metadata.entry_points(group="xferkit"):
+        owner = ep.dist.name if ep.dist is not None else ep.name
+        version = ep.dist.version if ep.dist is not None else "?"
         try:
-            pm.load_setuptools_entrypoints("xferkit", name=ep.name)
+            plugin = ep.load()
+            if pm.is_registered(plugin):  # one module behind two entry points
+                continue
+            pm.register(plugin, name=f"{owner}:{ep.name}")
         except Exception as exc:
-            owner = ep.dist.name if ep.dist is not None else ep.name
             why = f"plugin {owner} failed to load ({ep.value}): {type(exc).__name__}: {exc}"
-            version = ep.dist.version if ep.dist is not None else "?"
             found.append(_Found(BackendSpec(name=ep.name, target=ep.value), owner, version, why))
-    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+            continue
+        owners[id(plugin)] = (owner, version, ep.name)
     for impl in pm.hook.register_backends.get_hookimpls():
-        dist = dists.get(id(impl.plugin))
-        owner = dist.project_name if dist else impl.plugin_name
-        version = dist.version if dist else "?"
+        owner, version, entry = owners.get(id(impl.plugin), (impl.plugin_name, "?", "?"))
         specs: list[BackendSpec] = []
         try:
             impl.function(register=specs.append)
         except Exception as exc:
             why = f"plugin {owner} failed while registering backends: {type(exc).__name__}: {exc}"
-            spec = BackendSpec(name=impl.plugin_name, target=getattr(impl.plugin, "__name__", "?"))
+            spec = BackendSpec(name=entry, target=getattr(impl.plugin, "__name__", "?"))
             found.append(_Found(spec, owner, version, why))
             continue
         found += [_Found(s, owner, version) for s in specs]
