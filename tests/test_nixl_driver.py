@@ -425,3 +425,9 @@ def test_requests_are_released_on_completion_and_on_failure(
             t.wait(10)
         # The failed post released what it had made; nothing is left in flight.
         assert t._posted == [] and a.posts["initialize"] == 4
+
+
+def test_an_unknown_nixl_backend_is_refused_naming_what_exists() -> None:
+    with pytest.raises(xk.PluginError) as info:
+        xk.open_backend("nixl", backends=["NOSUCH"])
+    assert "NOSUCH" in str(info.value) and "UCX" in str(info.value)

@@ -292,9 +292,11 @@ class NixlBackend(Backend):
             raise PluginError(f"nixl: creating agent {self.agent_name}: {describe(exc)}") from exc
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
+            plugins = self._agent.get_plugin_list()
+            self._agent = None  # released now, not whenever the traceback goes
             raise PluginError(
                 f"nixl: agent {self.agent_name} could not create backend(s) {missing}; "
-                f"NIXL plugins here: {self._agent.get_plugin_list()}"
+                f"NIXL plugins here: {plugins}"
             )
         memory = {"cpu"}
         if gpu_visible() and all(
