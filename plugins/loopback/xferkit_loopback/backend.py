@@ -148,6 +148,8 @@ class LoopbackBackend(Backend):
     # -- peers ---------------------------------------------------------------
 
     def _endpoint(self) -> bytes:
+        # Carries what is registered now: a peer in another process checks its writes
+        # against it, like a NIC against remote keys. Hand out endpoints after register().
         with self._lock:
             return msgspec.msgpack.encode(_Blob(os.getpid(), self.id, list(self._ranges)))
 
