@@ -24,6 +24,7 @@ sysdeps:
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: install lint
 	$(BIN)/python -m pytest

@@ -189,7 +189,7 @@ class BackendConformance:
             real = b._register_batch  # every registration path goes through it
             b._register_batch = lambda rs: (seen.extend(rs), real(rs))[1]  # type: ignore
             b.register(m)
-            assert len(m.dropped) == 1 and all(r.nbytes > 0 for r in b.manifest.regions)
+            assert len(m.dropped) == 1 and all(r.nbytes > 0 for r in _held(b).regions)
             assert len(seen) == 2 and all(r.nbytes > 0 for r in seen)
 
     # -- writes -----------------------------------------------------------------
@@ -216,7 +216,7 @@ class BackendConformance:
                 np.array([dst_bufs[d].ctypes.data + do for _, _, d, do, _ in copies], np.uint64),
                 np.array([c[4] for c in copies], np.uint64),
             )
-            peer = a.connect(b.endpoint(), b.manifest)
+            peer = a.connect(b.endpoint(), _held(b))
             a.write(peer, descs).wait(self.wait_s)
             for got, exp in zip(dst_bufs, want, strict=True):
                 np.testing.assert_array_equal(got, exp)
@@ -236,7 +236,7 @@ class BackendConformance:
     def test_bounds_and_zero_length_are_refused_before_posting(self) -> None:
         a, b, src_bufs, dst_bufs = self._pair()
         with a, b:
-            peer = a.connect(b.endpoint(), b.manifest)
+            peer = a.connect(b.endpoint(), _held(b))
             s0, d0 = src_bufs[0].ctypes.data, dst_bufs[0].ctypes.data
             cases = [
                 ([s0], [d0], [0]),  # zero length
@@ -272,7 +272,7 @@ class BackendConformance:
     def test_notifications_follow_the_data(self) -> None:
         a, b, src_bufs, dst_bufs = self._pair()
         with a, b:
-            peer = a.connect(b.endpoint(), b.manifest)
+            peer = a.connect(b.endpoint(), _held(b))
             descs = Descriptors(
                 np.array([src_bufs[2].ctypes.data], np.uint64),
                 np.array([dst_bufs[2].ctypes.data], np.uint64),
@@ -293,7 +293,7 @@ class BackendConformance:
     def test_failure_names_the_peer_and_recovery_works(self) -> None:
         a, b, src_bufs, dst_bufs = self._pair()
         with a:
-            dst_manifest = b.manifest
+            dst_manifest = _held(b)
             peer = a.connect(b.endpoint(), dst_manifest)
             b.close()  # the peer goes away
             descs = Descriptors(
@@ -315,7 +315,7 @@ class BackendConformance:
 
     def test_close_releases_everything(self) -> None:
         a, b, _, _ = self._pair()
-        m = a.manifest
+        m = _held(a)
         b.close()
         a.close()
         a.close()  # idempotent
@@ -420,6 +420,12 @@ class BackendConformance:
             with pytest.raises(TransferError) as info:
                 src.write(peer, descs).wait(self.wait_s)
             assert peer.name in str(info.value)
+
+
+def _held(backend: Backend) -> Manifest:
+    """The manifest a backend registered (the kit registers before it asks)."""
+    assert backend.manifest is not None
+    return backend.manifest
 
 
 def _drain_until(backend: Backend, count: int, timeout: float) -> list:

@@ -100,6 +100,7 @@ def serve() -> None:
             elif isinstance(req, Write):
                 dst = Manifest.decode(req.manifest)
                 peer = backend.connect(req.endpoint, dst)
+                assert backend.manifest is not None  # registered at Setup
                 descs = plan(backend.manifest, dst).expand(req.slots)
                 backend.write(peer, descs, req.notify).wait(60)
                 reply = Reply(True)

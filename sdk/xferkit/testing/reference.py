@@ -56,7 +56,7 @@ def held_indices(spec: RegionSpec, tp_rank: int, tp_size: int) -> np.ndarray | N
 def shard(spec: RegionSpec, global_array: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
     """What ``tp_rank`` holds of ``global_array`` (shape ``[slots, *spec.shape]``, bytes last)."""
     idx = held_indices(spec, tp_rank, tp_size)
-    if idx is None:
+    if idx is None or spec.tp_axis is None:
         return global_array.copy()
     return np.ascontiguousarray(np.take(global_array, idx, axis=1 + spec.tp_axis))
 

@@ -225,7 +225,8 @@ def manifest_regions(draw: st.DrawFn, *, max_regions: int = 8) -> Regions:
         itemsize = draw(st.sampled_from((1, 2, 4)))
         slot_shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         tp_axis = None
-        if slot_shape and draw(st.booleans()):
+        sharded: bool = draw(st.booleans())
+        if slot_shape and sharded:
             tp_axis = draw(st.integers(0, len(slot_shape) - 1))
         nbytes = pool_slots[pool] * math.prod(slot_shape) * itemsize
         regions.append(
