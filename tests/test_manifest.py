@@ -279,11 +279,18 @@ def test_region_containing_two_others_is_an_overlap() -> None:
         Manifest.build([inner1, inner2, big])
 
 
-def test_adjacent_regions_and_other_devices_do_not_overlap() -> None:
+def test_adjacent_regions_do_not_overlap() -> None:
     a = region("k", 0, addr=0x1000)
     b = region("v", 0, addr=0x1000 + 128)  # starts where a ends
-    c = region("k", 1, addr=0x1000, device="cuda:0")  # same address, other device
-    assert len(Manifest.build([a, b, c])) == 3
+    assert len(Manifest.build([a, b])) == 2
+
+
+def test_same_address_on_another_device_is_an_overlap() -> None:
+    """A descriptor carries an address, not a device: two regions there would be ambiguous."""
+    a = region("k", 0, addr=0x1000)
+    c = region("k", 1, addr=0x1000, device="cuda:0")
+    with raises_naming("kv/k[0]", "kv/k[1]", "overlap"):
+        Manifest.build([a, c])
 
 
 def test_tp_axis_out_of_range() -> None:

@@ -1,20 +1,19 @@
-"""xferkit: move a request's KV cache and recurrent state between prefill and decode ranks."""
+"""xferkit: move a request's KV cache and recurrent state between prefill and decode ranks.
 
-from .backend import (
-    CONTRACT_VERSION,
-    Backend,
-    Capabilities,
-    Endpoint,
-    Notification,
-    Peer,
-    Posted,
-    Status,
-    Transfer,
-)
+These are the names an engine uses. Driver authors find theirs in
+``xferkit.driver``; tests and tools in ``xferkit.testing``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .backend import Backend, Peer
+from .descriptors import Descriptors
+from .driver import Notification, Status, hookimpl
 from .errors import (
     BoundsError,
     CapabilityError,
     ManifestError,
+    OptionError,
     PlanError,
     PluginError,
     ProtocolError,
@@ -23,36 +22,32 @@ from .errors import (
     XferError,
 )
 from .manifest import Dropped, Manifest, Region, RegionKey, key_label
-from .planner import Coverage, Descriptors, Pieces, Plan, coverage, plan
-from .plugins import BackendInfo, BackendSpec, backends, hookimpl, hookspec, open_backend
-from .worker import BatchWorker, QueuedBatch
+from .planner import Coverage, Plan, coverage, plan
+from .plugins import BackendInfo, backends, open_backend
+from .transfer import Transfer
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("xferkit")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0+unknown"
 
 __all__ = [
-    "CONTRACT_VERSION",
     "Backend",
     "BackendInfo",
-    "BackendSpec",
-    "BatchWorker",
     "BoundsError",
-    "Capabilities",
     "CapabilityError",
     "Coverage",
     "Descriptors",
     "Dropped",
-    "Endpoint",
     "Manifest",
     "ManifestError",
     "Notification",
+    "OptionError",
     "Peer",
-    "Pieces",
     "Plan",
     "PlanError",
     "PluginError",
-    "Posted",
     "ProtocolError",
-    "QueuedBatch",
     "Region",
     "RegionKey",
     "RegistrationError",
@@ -64,7 +59,6 @@ __all__ = [
     "backends",
     "coverage",
     "hookimpl",
-    "hookspec",
     "key_label",
     "open_backend",
     "plan",

@@ -1,28 +1,29 @@
-"""What a transfer driver must do, and the guards the core runs before a driver sees anything.
+"""The guarded object an engine holds: a driver behind the core's checks.
 
-A driver subclasses ``Backend`` and implements the underscored primitives
-(register one region, post one batch, ...). The public methods are the core's:
-they refuse unsupported requests up front, keep registration all-or-nothing,
-bounds-check every descriptor against local and advertised memory, split
-batches to the driver's limit and report the first real error. A driver never
-receives a zero-length region or descriptor.
+``Backend`` is final and holds a ``Driver`` (httpx's ``Client`` holding a
+transport). It refuses whatever a driver must never see, once, for every
+driver: use after ``close``, an endpoint asked before registration, memory of
+a kind the driver does not declare, zero-length or out-of-bounds descriptors,
+malformed endpoint blobs. It keeps registration all-or-nothing, counts
+connections per remote, splits writes to the driver's batch limit, ends every
+transfer before memory or a connection goes away, and reports the first real
+error with the driver's own text.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import logging
 import os
 import socket
+import threading
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, final
 
 import msgspec
 import numpy as np
 
+from .descriptors import Descriptors
+from .driver import CONTRACT_VERSION, Capabilities, Driver, Notification, Posted, Status
 from .errors import (
     BoundsError,
     CapabilityError,
@@ -32,246 +33,94 @@ from .errors import (
     XferError,
 )
 from .manifest import Manifest, Region
-from .planner import Descriptors
+from .transfer import Transfer, seconds
 
-log = logging.getLogger("xferkit")
-
-CONTRACT_VERSION = 1
-"""Bumped whenever the driver primitives change; plugins declare the one they implement."""
+DRAIN_S = 10.0
+"""How long ``close``/``deregister``/``disconnect`` wait for aborted batches to leave the driver."""
 
 
-class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
-    """What a driver declares it can do; the core checks requests against it."""
-
-    memory: frozenset[str] = frozenset({"cpu"})  # device kinds: "cpu", "cuda"
-    notifications: bool = False
-    cross_process: bool = False
-    max_batch: int = 0  # most descriptors per post; 0 = no limit
-    min_transfer: int = 1  # smallest descriptor, in bytes
-
-
-class Status(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
-class Notification(msgspec.Struct, frozen=True):
-    """A message a peer attached to a write, delivered after that write's data."""
-
-    peer: str
-    message: bytes
-
-
-class Endpoint(msgspec.Struct, frozen=True):
-    """The core's envelope around a driver's endpoint blob: which driver, which process."""
+class _Envelope(msgspec.Struct, frozen=True):
+    """The core's wrapping of a driver's endpoint blob: which driver, which process, who."""
 
     backend: str
     contract: int
     host: str
     pid: int
-    blob: bytes
+    address: str
+    blob: msgspec.Raw
 
 
-class Posted(ABC):
-    """A driver's handle on one posted batch."""
+class _Link:
+    """One connection to a remote address, shared by every ``Peer`` naming it."""
 
-    @abstractmethod
-    def poll(self) -> Status:
-        """Progress check; must never block."""
+    __slots__ = ("address", "blob", "handle", "users")
 
-    @property
-    @abstractmethod
-    def error(self) -> str:
-        """The driver's own text for a FAILED batch."""
-
-    def release(self) -> None:  # noqa: B027 - optional hook
-        """Free driver resources (called once, after completion or on abort)."""
-
-    def block(self, timeout: float) -> None:
-        """Sleep until the batch may have progressed, at most ``timeout`` seconds.
-
-        Drivers that can block on completion override this; the default naps.
-        """
-        time.sleep(min(timeout, 5e-5))
+    def __init__(self, address: str, blob: bytes, handle: Any) -> None:
+        self.address, self.blob, self.handle = address, blob, handle
+        self.users = 0
 
 
+@final
 class Peer:
     """A connected remote backend and the memory it advertised."""
 
-    __slots__ = ("_ends", "_order", "_starts", "endpoint", "handle", "manifest", "name")
+    __slots__ = ("_link", "backend", "manifest", "name")
 
-    def __init__(self, name: str, endpoint: Endpoint, manifest: Manifest, handle: Any) -> None:
-        self.name = name
-        self.endpoint = endpoint
+    def __init__(self, backend: str, link: _Link, manifest: Manifest) -> None:
+        self.name = f"{backend}:{link.address}"
+        self.backend = backend
         self.manifest = manifest
-        self.handle = handle
-        self._starts, self._ends, self._order = _region_table(manifest)
+        self._link: _Link | None = link
 
     def __repr__(self) -> str:
         return f"Peer({self.name!r}, {len(self.manifest)} regions)"
 
 
-def _region_table(m: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    order = np.argsort(m.addrs, kind="stable")
-    starts = m.addrs[order]
-    return starts, starts + m.nbytes[order], order
+@final
+class Backend:
+    """A transfer driver behind the core's guards. Use as a context manager.
 
-
-def _inside(addrs: np.ndarray, nbytes: np.ndarray, starts, ends) -> np.ndarray:
-    """Mask of pieces lying inside one region of the table (vectorized)."""
-    if not starts.size:
-        return np.zeros(addrs.size, dtype=bool)
-    where = np.searchsorted(starts, addrs, side="right") - 1  # -1: below every region
-    ends_at = addrs + nbytes
-    # ends[-1] for where == -1 is harmless: that piece is already marked outside.
-    inside = (where >= 0) & (ends_at >= addrs)  # the second catches uint64 wrap-around
-    inside &= ends_at <= ends[where]
-    return inside
-
-
-class Transfer:
-    """An asynchronous write: ``poll`` never blocks, ``wait`` does, ``error`` says why it failed.
-
-    Large descriptor sets go out in several driver batches; the notification
-    rides on the last batch, posted only once every other batch is done, so
-    the peer never sees it before the data. That last batch is posted by
-    ``poll`` (or ``wait``): a split write progresses while its sender polls it,
-    as an engine does anyway to learn when the source memory is free again.
+    Open one with ``xferkit.open_backend(name, **options)``; driver authors
+    build one around their driver with ``Backend(driver)`` in tests.
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        peer: Peer,
-        descs: Descriptors,
-        batches: list[Descriptors],
-        notify: bytes | None,
-    ) -> None:
-        self.peer = peer
-        self.descs = descs
-        self.error: TransferError | None = None
-        self._backend = backend
-        self._waiting = batches  # not yet posted
-        self._notify = notify
-        self._posted: list[Posted] = []
-        self._status = Status.PENDING
-        self._advance()
-
-    def _post_next(self, batch: Descriptors, notify: bytes | None) -> None:
-        try:
-            self._posted.append(self._backend._post(self.peer.handle, batch, notify))
-        except Exception as exc:  # the driver refused the post itself
-            refusal = f"posting {len(batch)} descriptors failed: {exc}"
-            earlier = next((p for p in self._posted if p.poll() is Status.FAILED), None)
-            if earlier is None:
-                self._fail(refusal, exc)
-            else:  # an earlier batch failed first: the refusal is its consequence
-                self._fail(earlier.error, later=TransferError(refusal, subject=self.peer.name))
-
-    def _advance(self) -> None:
-        if self._status is not Status.PENDING:
-            return
-        # All but the last batch go out at once; the last (with the notification) waits.
-        while len(self._waiting) > 1:
-            self._post_next(self._waiting.pop(0), None)
-            if self._status is Status.FAILED:
-                return
-        states = [p.poll() for p in self._posted]
-        for p, st in zip(self._posted, states, strict=True):
-            if st is Status.FAILED:
-                self._fail(p.error)
-                return
-        if all(st is Status.DONE for st in states):
-            if self._waiting:
-                self._post_next(self._waiting.pop(), self._notify)
-                if self._status is Status.PENDING:
-                    self._advance()
-                return
-            self._finish(Status.DONE)
-
-    def _fail(
-        self, text: str, cause: BaseException | None = None, later: XferError | None = None
-    ) -> None:
-        self.error = TransferError(
-            f"write to peer {self.peer.name} failed: {text}", subject=self.peer.name
-        )
-        if cause is not None:
-            self.error.__cause__ = cause
-        # Abort the rest; failures they report later are consequences, attached only.
-        for p in self._posted:
-            if p.poll() is Status.FAILED and p.error != text:
-                self.error.attach(TransferError(p.error, subject=self.peer.name))
-        if later is not None:
-            self.error.attach(later)
-        self._waiting.clear()
-        self._finish(Status.FAILED)
-
-    def _finish(self, status: Status) -> None:
-        self._status = status
-        for p in self._posted:
-            try:
-                p.release()
-            except Exception as exc:
-                if self.error is not None:
-                    self.error.attach(exc)
-                else:  # the data arrived; a driver handle may have leaked
-                    log.warning("%s: releasing a completed batch failed: %s", self.peer.name, exc)
-        self._posted.clear()
-
-    @property
-    def descriptors(self) -> int:
-        return len(self.descs)
-
-    @property
-    def nbytes(self) -> int:
-        return self.descs.total_bytes
-
-    def poll(self) -> Status:
-        if self._status is Status.PENDING:
-            self._advance()
-        return self._status
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until done; raise the root-cause ``TransferError`` if it failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is Status.PENDING:
-            left = 0.01 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise TransferError(
-                    f"write to peer {self.peer.name} still pending after {timeout} s",
-                    subject=self.peer.name,
-                )
-            pending = next((p for p in self._posted if p.poll() is Status.PENDING), None)
-            if pending is None:
-                continue  # the next batch is about to be posted by poll()
-            pending.block(min(left, 0.01))
-        if self.error is not None:
-            raise self.error
-
-
-class Backend(ABC):
-    """A transfer driver behind the core's guards. Use as a context manager."""
-
-    name: ClassVar[str]
-    capabilities: Capabilities = Capabilities()
-
-    def __init__(self) -> None:
+    def __init__(self, driver: Driver) -> None:
+        if not isinstance(driver, Driver):
+            raise CapabilityError(f"Backend needs a xferkit.driver.Driver, not {driver!r}")
+        caps = driver.capabilities
+        if not isinstance(caps, Capabilities):
+            raise CapabilityError(f"driver {driver!r} declares no Capabilities")
+        self._driver = driver
+        self.name: str = driver.name
+        self.capabilities: Capabilities = caps
         self._manifest: Manifest | None = None
-        self._local: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._peers: list[Peer] = []
+        self._links: dict[str, _Link] = {}
+        self._peers: set[Peer] = set()
+        self._inflight: set[Transfer] = set()
+        self._lock = threading.RLock()
         self._closed = False
 
-    # -- the public contract (core) --------------------------------------
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        return f"Backend({self.name!r}, {state})"
 
     @property
     def manifest(self) -> Manifest | None:
         """What is registered now."""
         return self._manifest
 
+    @property
+    def driver(self) -> Driver:
+        """The driver this backend guards (for driver authors' tests and diagnostics)."""
+        return self._driver
+
+    # -- memory ----------------------------------------------------------------
+
     def register(self, manifest: Manifest) -> None:
         """Register every region of ``manifest``, or none: on failure, roll back and raise."""
-        self._check_open()
+        self._check_open("register")
+        if not isinstance(manifest, Manifest):
+            raise RegistrationError(f"{self.name}: register() takes a Manifest, not {manifest!r}")
         if self._manifest is not None:
             raise RegistrationError(
                 f"{self.name}: a manifest is already registered; deregister() it first"
@@ -286,7 +135,7 @@ class Backend(ABC):
                 )
         regions = list(manifest.regions)
         try:
-            results = list(self._register_batch(regions))[: len(regions)]
+            results = list(self._driver.register_regions(regions))[: len(regions)]
         except Exception as exc:  # the driver raised instead of reporting per region
             self._unregister_unknown(regions, exc)
         failed = next((i for i, res in enumerate(results) if res is not None), None)
@@ -305,12 +154,11 @@ class Backend(ABC):
             done = [reg for reg, res in zip(regions, results, strict=False) if res is None]
             for reg in reversed(done):
                 try:
-                    self._deregister_region(reg)
+                    self._driver.deregister_region(reg)
                 except Exception as exc:
                     error.attach(exc)
             raise error
         self._manifest = manifest
-        self._local = _region_table(manifest)
 
     def _unregister_unknown(self, regions: list[Region], cause: Exception) -> None:
         """A batch registration raised: which regions it left registered is unknown."""
@@ -321,40 +169,85 @@ class Backend(ABC):
         error.__cause__ = cause
         for r in reversed(regions):  # release whatever it held; refusals are expected here
             with contextlib.suppress(Exception):
-                self._deregister_region(r)
+                self._driver.deregister_region(r)
         raise error
 
     def deregister(self) -> None:
-        """Release every registered region; calling it again does nothing."""
+        """End every transfer, then release every registered region; again, it does nothing."""
         if self._manifest is None:
             return
-        manifest, self._manifest, self._local = self._manifest, None, None
-        first: XferError | None = None
+        first = self._end_transfers(self._inflight, "the local memory is being deregistered")
+        manifest, self._manifest = self._manifest, None
         for r in reversed(manifest.regions):
             try:
-                self._deregister_region(r)
+                self._driver.deregister_region(r)
             except Exception as exc:
+                error = RegistrationError(
+                    f"{self.name} failed to deregister region {r.label}: {exc}", subject=r.key
+                )
                 if first is None:
-                    first = RegistrationError(
-                        f"{self.name} failed to deregister region {r.label}: {exc}",
-                        subject=r.key,
-                    )
+                    first = error
                 else:
-                    first.attach(exc)
+                    first.attach(error)
         if first is not None:
             raise first
 
+    # -- peers -----------------------------------------------------------------
+
     def endpoint(self) -> bytes:
         """The opaque bytes a peer passes to ``connect`` to reach this backend."""
-        self._check_open()
-        env = Endpoint(self.name, CONTRACT_VERSION, socket.gethostname(), os.getpid(), b"")
-        return msgspec.msgpack.encode(msgspec.structs.replace(env, blob=self._endpoint()))
+        self._check_open("endpoint")
+        if self._manifest is None:
+            raise RegistrationError(
+                f"{self.name}: endpoint() before register(): the endpoint describes registered "
+                "memory, so register a manifest first"
+            )
+        try:
+            blob = msgspec.msgpack.encode(self._driver.endpoint())
+            address = str(self._driver.address)
+        except Exception as exc:
+            raise self._wrap(exc, "building the endpoint") from exc
+        env = _Envelope(
+            self.name,
+            CONTRACT_VERSION,
+            socket.gethostname(),
+            os.getpid(),
+            address,
+            msgspec.Raw(blob),
+        )
+        return msgspec.msgpack.encode(env)
 
     def connect(self, endpoint: bytes, manifest: Manifest) -> Peer:
         """Reach the backend behind ``endpoint``, which advertised ``manifest``."""
-        self._check_open()
+        self._check_open("connect")
+        if not isinstance(manifest, Manifest):
+            raise ProtocolError(f"{self.name}: connect() needs the peer's Manifest, not {manifest!r}")
+        env, blob = self._open_envelope(endpoint)
+        with self._lock:
+            link = self._links.get(env.address)
+            if link is not None and link.blob != bytes(env.blob):
+                link = None  # the peer re-registered or restarted: a new connection
+            if link is None:
+                name = f"{self.name}:{env.address}"
+                try:
+                    handle = self._driver.connect(blob, manifest)
+                except Exception as exc:
+                    raise self._wrap(exc, f"connecting to peer {name}", subject=name) from exc
+                old = self._links.get(env.address)
+                link = _Link(env.address, bytes(env.blob), handle)
+                self._links[env.address] = link
+                if old is not None:  # peers holding the old connection are now stale
+                    self._retire(old)
+            link.users += 1
+            peer = Peer(self.name, link, manifest)
+            self._peers.add(peer)
+        return peer
+
+    def _open_envelope(self, endpoint: object) -> tuple[_Envelope, Any]:
+        if not isinstance(endpoint, bytes | bytearray | memoryview):
+            raise ProtocolError(f"{self.name}: an endpoint is bytes, not {type(endpoint).__name__}")
         try:
-            env = msgspec.msgpack.decode(endpoint, type=Endpoint)
+            env = msgspec.msgpack.decode(endpoint, type=_Envelope)
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"{self.name}: malformed endpoint: {exc}") from exc
         if env.backend != self.name or env.contract != CONTRACT_VERSION:
@@ -368,30 +261,82 @@ class Backend(ABC):
                 f"{self.name} works within one process only; the endpoint belongs to "
                 f"pid {env.pid} on {env.host}"
             )
-        name, handle = self._connect(env.blob, manifest)
-        peer = Peer(name, env, manifest, handle)
-        self._peers.append(peer)
-        return peer
+        try:
+            blob = msgspec.msgpack.decode(env.blob, type=self._driver.Blob)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(
+                f"{self.name}: malformed endpoint blob from {env.address!r}: {exc}"
+            ) from exc
+        return env, blob
 
     def disconnect(self, peer: Peer) -> None:
-        if peer in self._peers:
-            self._peers.remove(peer)
-            self._disconnect(peer.handle)
+        """End the peer's transfers and forget it; the connection closes with its last peer."""
+        with self._lock:
+            if peer not in self._peers:
+                return
+            self._peers.discard(peer)
+            link, peer._link = peer._link, None
+        mine = {t for t in self._inflight if t.peer is peer}
+        first = self._end_transfers(mine, f"peer {peer.name} was disconnected")
+        if link is not None:
+            link.users -= 1
+            if link.users == 0:
+                with self._lock:
+                    if self._links.get(link.address) is link:
+                        del self._links[link.address]
+                error = self._release_link(link)
+                first = first or error
+        if first is not None:
+            raise first
+
+    def _retire(self, link: _Link) -> None:
+        """A connection replaced by a newer one: its peers are stale from now on."""
+        for peer in [p for p in self._peers if p._link is link]:
+            peer._link = None
+            link.users -= 1
+        if link.users <= 0:
+            self._release_link(link)
+
+    def _release_link(self, link: _Link) -> XferError | None:
+        try:
+            self._driver.disconnect(link.handle)
+        except Exception as exc:
+            return self._wrap(exc, f"disconnecting from {self.name}:{link.address}")
+        return None
+
+    # -- transfers -------------------------------------------------------------
 
     def write(self, peer: Peer, descs: Descriptors, notify: bytes | None = None) -> Transfer:
         """Post ``descs`` (local src -> peer dst); checked in full before anything is posted."""
-        self._check_open()
-        if notify is not None and not self.capabilities.notifications:
-            raise CapabilityError(f"{self.name} does not deliver notifications")
+        self._check_open("write")
+        if not isinstance(peer, Peer):
+            raise TransferError(f"{self.name}: write() needs a Peer from connect(), not {peer!r}")
+        if not isinstance(descs, Descriptors):
+            raise BoundsError(f"{self.name}: write() needs Descriptors, not {descs!r}")
+        if notify is not None:
+            if not isinstance(notify, bytes):
+                raise TransferError(
+                    f"{self.name}: a notification is bytes, not {type(notify).__name__}"
+                )
+            if not self.capabilities.notifications:
+                raise CapabilityError(f"{self.name} does not deliver notifications")
         if peer not in self._peers:
-            raise XferError(f"peer {peer.name} is not connected to this {self.name} backend")
-        if self._local is None:
+            raise TransferError(
+                f"peer {peer.name} is not connected to this {self.name} backend", subject=peer.name
+            )
+        link = peer._link
+        if link is None:
+            raise TransferError(
+                f"peer {peer.name} is stale: it re-registered or restarted since connect(); "
+                "connect() again with its new endpoint",
+                subject=peer.name,
+            )
+        if self._manifest is None:
             raise BoundsError(f"{self.name}: nothing is registered; register() a manifest first")
         self._check_descriptors(peer, descs)
         step = self.capabilities.max_batch
         if len(descs) == 0:
-            # A notification alone still travels, as an empty batch.
-            batches = [descs] if notify is not None else []
+            batches = []
         elif not step or len(descs) <= step:
             batches = [descs]
         else:
@@ -401,29 +346,68 @@ class Backend(ABC):
                 )
                 for i in range(0, len(descs), step)
             ]
-        return Transfer(self, peer, descs, batches, notify)
+        driver, handle = self._driver, link.handle
 
-    def notifications(self) -> list[Notification]:
-        """Drain the notifications received since the last call."""
+        def post(batch: Descriptors | None, note: bytes | None) -> Posted:
+            if batch is None:
+                return driver.notify(handle, note or b"")
+            return driver.post(handle, batch, note)
+
+        transfer = Transfer(peer, descs, batches, notify, post, self._ended)
+        with self._lock:  # nobody else holds it yet: it cannot end between the test and the add
+            if transfer.poll() is Status.PENDING:
+                self._inflight.add(transfer)
+        return transfer
+
+    def _ended(self, transfer: Transfer) -> None:
+        with self._lock:
+            self._inflight.discard(transfer)
+
+    def notifications(self, timeout: float | None = None) -> list[Notification]:
+        """Drain the notifications received since the last call.
+
+        With ``timeout`` (seconds), wait up to that long for at least one.
+        """
+        self._check_open("notifications")
         if not self.capabilities.notifications:
             raise CapabilityError(f"{self.name} does not deliver notifications")
-        return list(self._notifications())
+        deadline = time.monotonic() + seconds(timeout, "timeout") if timeout else None
+        nap = 1e-4
+        while True:
+            try:
+                got = [
+                    Notification(f"{self.name}:{sender}", bytes(message))
+                    for sender, message in self._driver.notifications()
+                ]
+            except Exception as exc:
+                raise self._wrap(exc, "receiving notifications") from exc
+            if got or deadline is None or time.monotonic() >= deadline:
+                return got
+            time.sleep(min(nap, max(deadline - time.monotonic(), 0)))
+            nap = min(nap * 2, 5e-3)
+
+    # -- teardown --------------------------------------------------------------
 
     def close(self) -> None:
-        """Disconnect peers, deregister memory and release the driver; idempotent."""
+        """End every transfer, disconnect peers, deregister memory, release the driver.
+
+        Idempotent; every step runs whatever an earlier one raised, and the
+        first failure is the one raised (later ones attached).
+        """
         if self._closed:
             return
         self._closed = True
-        first: BaseException | None = None
+        first: XferError | None = self._end_transfers(self._inflight, "the backend was closed")
         steps = [lambda p=p: self.disconnect(p) for p in list(self._peers)]
-        for step in (*steps, self.deregister, self._close):  # every step runs, whatever fails
+        for step in (*steps, self.deregister, self._driver.close):
             try:
                 step()
             except Exception as exc:
+                error = exc if isinstance(exc, XferError) else self._wrap(exc, "closing")
                 if first is None:
-                    first = exc
-                elif isinstance(first, XferError):
-                    first.attach(exc)
+                    first = error
+                else:
+                    first.attach(error)
         if first is not None:
             raise first
 
@@ -433,11 +417,39 @@ class Backend(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- guards ------------------------------------------------------------
+    def _end_transfers(self, transfers: set[Transfer], why: str) -> XferError | None:
+        """Abort ``transfers`` and wait (bounded) until none can still touch memory."""
+        with self._lock:
+            ending = list(transfers)
+        for t in ending:
+            t.abort(why)
+        deadline = time.monotonic() + DRAIN_S
+        for t in ending:
+            while not t._drained():
+                if time.monotonic() >= deadline:
+                    return TransferError(
+                        f"{self.name}: a batch to {t.peer.name} was still running {DRAIN_S} s "
+                        f"after it was aborted ({why})",
+                        subject=t.peer.name,
+                    )
+                time.sleep(1e-3)
+        return None
 
-    def _check_open(self) -> None:
+    # -- guards ----------------------------------------------------------------
+
+    def _check_open(self, call: str) -> None:
         if self._closed:
-            raise XferError(f"this {self.name} backend is closed")
+            raise XferError(f"{call}(): this {self.name} backend is closed")
+
+    def _wrap(self, exc: Exception, doing: str, subject: object = None) -> XferError:
+        """A driver's exception as an XferError (kept as is when it already is one)."""
+        if isinstance(exc, XferError):
+            return exc
+        error = TransferError(
+            f"{self.name}: {doing} failed: {type(exc).__name__}: {exc}", subject=subject
+        )
+        error.__cause__ = exc
+        return error
 
     def _check_descriptors(self, peer: Peer, d: Descriptors) -> None:
         arrays = (d.src, d.dst, d.nbytes)
@@ -445,90 +457,30 @@ class Backend(ABC):
             not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.uint64 for a in arrays
         ) or not (d.src.size == d.dst.size == d.nbytes.size):
             raise BoundsError("descriptors must be three 1-D uint64 arrays of one length")
-        least = max(self.capabilities.min_transfer, 1)
-        if d.nbytes.size and d.nbytes.min() < least:
-            i = int(np.argmax(d.nbytes < least))
-            raise BoundsError(
-                f"descriptor {i} is {int(d.nbytes[i])} bytes; {self.name} moves at least {least}",
-                subject=i,
-            )
-        assert self._local is not None and self._manifest is not None
+        if d.nbytes.size and not d.nbytes.all():
+            i = int(np.argmin(d.nbytes))
+            raise BoundsError(f"descriptor {i} is 0 bytes; every copy moves at least 1", subject=i)
+        local = self._manifest
+        assert local is not None
         origin = d.origin
-        if origin is not None and origin[0] is self._manifest and origin[1] is peer.manifest:
+        if origin is not None and origin[0] is local and origin[1] is peer.manifest:
             return  # sealed by a plan over exactly these two manifests: in bounds
-        for side, addrs, table, manifest, where in (
-            ("source", d.src, self._local, self._manifest, "registered locally"),
-            (
-                "destination",
-                d.dst,
-                (peer._starts, peer._ends, peer._order),
-                peer.manifest,
-                f"advertised by peer {peer.name}",
-            ),
+        for side, addrs, manifest, where in (
+            ("source", d.src, local, "registered locally"),
+            ("destination", d.dst, peer.manifest, f"advertised by peer {peer.name}"),
         ):
-            inside = _inside(addrs, d.nbytes, table[0], table[1])
+            inside = manifest.locate(addrs, d.nbytes) >= 0
             if not inside.all():
                 i = int(np.argmin(inside))
+                near = manifest.nearest(int(addrs[i]))
+                hint = (
+                    f"; nearest is {near.label} [{near.addr:#x}, +{near.nbytes})"
+                    if near is not None
+                    else " (none are)"
+                )
                 raise BoundsError(
                     f"descriptor {i}: {side} [{int(addrs[i]):#x}, +{int(d.nbytes[i])}) lies "
-                    f"outside every region {where}" + _nearest(manifest, table, int(addrs[i])),
+                    f"outside every region {where}{hint}",
                     subject=i,
                 )
 
-    # -- driver primitives ---------------------------------------------------
-
-    def _register_batch(self, regions: Sequence[Region]) -> Sequence[BaseException | None]:
-        """Register regions; one result per region (None = registered), stop at the first failure.
-
-        Override to use a driver's batch call; the core rolls back the
-        successful ones when any failed.
-        """
-        results: list[BaseException | None] = []
-        for r in regions:
-            try:
-                self._register_region(r)
-            except Exception as exc:
-                results.append(exc)
-                break
-            results.append(None)
-        return results
-
-    @abstractmethod
-    def _register_region(self, region: Region) -> None: ...
-
-    @abstractmethod
-    def _deregister_region(self, region: Region) -> None: ...
-
-    @abstractmethod
-    def _endpoint(self) -> bytes:
-        """The driver's part of the endpoint."""
-
-    @abstractmethod
-    def _connect(self, blob: bytes, manifest: Manifest) -> tuple[str, Any]:
-        """(peer name, driver handle) for a peer's endpoint blob."""
-
-    def _disconnect(self, handle: Any) -> None:  # noqa: B027 - optional hook
-        """Forget a peer."""
-
-    @abstractmethod
-    def _post(self, handle: Any, descs: Descriptors, notify: bytes | None) -> Posted:
-        """Start one batch of at most ``max_batch`` descriptors.
-
-        Deliver ``notify`` to the peer after the batch's data. A batch may be
-        empty when it only carries a notification.
-        """
-
-    def _notifications(self) -> Sequence[Notification]:
-        return ()
-
-    def _close(self) -> None:  # noqa: B027 - optional hook
-        """Release the driver."""
-
-
-def _nearest(manifest: Manifest, table, addr: int) -> str:
-    starts, _, order = table
-    if not starts.size:
-        return " (none are)"
-    i = max(int(np.searchsorted(starts, addr, side="right")) - 1, 0)
-    r = manifest.regions[int(order[i])]
-    return f"; nearest is {r.label} [{r.addr:#x}, +{r.nbytes})"

@@ -63,3 +63,7 @@ class CapabilityError(XferError):
 
 class PluginError(XferError):
     """A backend plugin that cannot be found, loaded or trusted (name clash, contract version)."""
+
+
+class OptionError(PluginError):
+    """A backend option that is unknown, of the wrong type or out of range (every driver)."""

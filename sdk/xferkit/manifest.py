@@ -24,7 +24,15 @@ from .sharding import AxisLayout, axis_layout
 RegionKey = tuple[str, str, int, int]
 """(pool, name, layer, part): how regions are named and paired across engines."""
 
-_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+_DEVICE = re.compile(r"^(?:cpu|cuda:(\d+))$")
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """``"cuda:3"`` -> ``("cuda", 3)``, ``"cpu"`` -> ``("cpu", 0)``; ValueError otherwise."""
+    m = _DEVICE.match(device) if isinstance(device, str) else None
+    if m is None:
+        raise ValueError(f"device {device!r} is neither 'cpu' nor 'cuda:N'")
+    return ("cpu", 0) if m.group(1) is None else ("cuda", int(m.group(1)))
 
 
 def key_label(key: RegionKey) -> str:
@@ -166,6 +174,53 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
     return out[::-1]
 
 
+class AddressTable:
+    """Disjoint address ranges, sorted once, looked up vectorized in O(n log ranges).
+
+    Ends are kept inclusive (the last byte), so a range ending at 2**64 never wraps.
+    """
+
+    __slots__ = ("last", "order", "starts")
+
+    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
+        addrs = np.asarray(addrs, dtype=np.uint64)
+        self.order = np.argsort(addrs, kind="stable")
+        self.starts = addrs[self.order]
+        self.last = self.starts + (np.asarray(nbytes, dtype=np.uint64)[self.order] - np.uint64(1))
+
+    def __len__(self) -> int:
+        return int(self.starts.size)
+
+    def locate(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> np.ndarray:
+        """Index (into the ranges as given) of the range holding each ``[addr, addr+nbytes)``.
+
+        -1 where none holds it whole, including a range that wraps past 2**64.
+        """
+        addrs = np.asarray(addrs, dtype=np.uint64)
+        size = np.ones_like(addrs) if nbytes is None else np.asarray(nbytes, dtype=np.uint64)
+        if not self.starts.size:
+            return np.full(addrs.shape, -1, dtype=np.int64)
+        where = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
+        clipped = np.maximum(where, 0)
+        end = addrs + (np.maximum(size, np.uint64(1)) - np.uint64(1))
+        inside = (where >= 0) & (end >= addrs) & (end <= self.last[clipped])
+        return np.where(inside, self.order[clipped], -1)
+
+    def nearest(self, addr: int) -> int:
+        """Index of the range starting at or below ``addr`` (else the lowest); -1 when empty."""
+        if not self.starts.size:
+            return -1
+        i = int(np.searchsorted(self.starts, np.uint64(addr), side="right")) - 1
+        return int(self.order[max(i, 0)])
+
+    def first_overlap(self) -> tuple[int, int] | None:
+        """Indices of two ranges that overlap, or None."""
+        clash = np.flatnonzero(self.last[:-1] >= self.starts[1:])
+        if not clash.size:
+            return None
+        return int(self.order[clash[0]]), int(self.order[clash[0] + 1])
+
+
 class Dropped(msgspec.Struct, frozen=True):
     """A region left out by the empty-buffer filter, and why."""
 
@@ -266,6 +321,24 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
             msg = f"no region {key_label(key)} in this manifest"
             raise ManifestError(msg, subject=key) from None
 
+    @cached_property
+    def table(self) -> AddressTable:
+        """The regions as an address table: ``table.locate`` maps addresses to region indices."""
+        return AddressTable(self.addrs, self.nbytes)
+
+    def locate(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> np.ndarray:
+        """Index in ``regions`` of the region holding each ``[addr, addr + nbytes)``; -1 if none.
+
+        The one address lookup: the core's bounds checks, drivers that need a
+        descriptor's region (its device, its slot) and the test checkers use it.
+        """
+        return self.table.locate(addrs, nbytes)
+
+    def nearest(self, addr: int) -> Region | None:
+        """The region starting at or below ``addr`` (else the lowest): for error messages."""
+        i = self.table.nearest(addr)
+        return None if i < 0 else self.regions[i]
+
     def region(self, key: RegionKey) -> Region:
         return self.regions[self.index(key)]
 
@@ -312,7 +385,7 @@ def _validate(m: Manifest) -> None:
             raise ManifestError(
                 f"region {key_label(d.key)} is both kept and dropped", subject=d.key
             )
-    _check_overlaps(m.regions)
+    _check_overlaps(m)
 
 
 def _validate_region(r: Region, tp_size: int) -> None:
@@ -346,21 +419,13 @@ def _validate_region(r: Region, tp_size: int) -> None:
         raise fail(str(exc)) from None
 
 
-def _check_overlaps(regions: tuple[Region, ...]) -> None:
-    by_device: dict[str, list[Region]] = {}
-    for r in regions:
-        by_device.setdefault(r.device, []).append(r)
-    for group in by_device.values():
-        if len(group) < 2:
-            continue
-        starts = np.array([r.addr for r in group], dtype=np.uint64)
-        ends = starts + np.array([r.nbytes for r in group], dtype=np.uint64)
-        order = np.argsort(starts, kind="stable")
-        clash = np.flatnonzero(ends[order[:-1]] > starts[order[1:]])
-        if clash.size:
-            a, b = group[order[clash[0]]], group[order[clash[0] + 1]]
-            raise ManifestError(
-                f"regions {a.label} [{a.addr:#x}, +{a.nbytes}) and {b.label} "
-                f"[{b.addr:#x}, +{b.nbytes}) overlap on {a.device}",
-                subject=b.key,
-            )
+def _check_overlaps(m: Manifest) -> None:
+    """Regions must be disjoint across devices too: a descriptor names an address, not a device."""
+    clash = m.table.first_overlap()
+    if clash is not None:
+        a, b = m.regions[clash[0]], m.regions[clash[1]]
+        raise ManifestError(
+            f"regions {a.label} [{a.addr:#x}, +{a.nbytes}) on {a.device} and {b.label} "
+            f"[{b.addr:#x}, +{b.nbytes}) on {b.device} overlap",
+            subject=b.key,
+        )

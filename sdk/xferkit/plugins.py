@@ -1,9 +1,15 @@
 """Finding drivers: pluggy hooks over the ``xferkit`` entry-point group.
 
-A plugin module registers ``BackendSpec``s naming its backend class by dotted
+A plugin module registers ``BackendSpec``s naming its driver class by dotted
 path, plus an optional cheap probe; listing backends therefore imports no
 driver, and a driver that cannot load here is listed with the reason.
 Built-in drivers are discovered exactly like third-party ones.
+
+Discovery calls each plugin's hook implementation on its own rather than
+through ``pm.hook.register_backends(...)``: pluggy's combined call stops at
+the first implementation that raises, so one broken plugin would hide every
+other; called one by one, the broken one is listed with its error and the
+rest still load.
 """
 
 from __future__ import annotations
@@ -17,20 +23,13 @@ from typing import Any, NamedTuple
 import msgspec
 import pluggy
 
-from .backend import CONTRACT_VERSION, Backend
-from .errors import PluginError
+from .backend import Backend
+from .driver import CONTRACT_VERSION, BackendSpec, Driver, hookimpl
+from .errors import OptionError, PluginError, XferError
 
 hookspec = pluggy.HookspecMarker("xferkit")
-hookimpl = pluggy.HookimplMarker("xferkit")
 
-
-class BackendSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """A backend as a plugin announces it, before anything heavy is imported."""
-
-    name: str
-    target: str  # "package.module:Class"
-    contract: int = CONTRACT_VERSION
-    probe: Callable[[], str | None] | None = None  # None when usable here, else the reason
+__all__ = ["BackendInfo", "backends", "hookimpl", "open_backend"]
 
 
 class BackendInfo(msgspec.Struct, frozen=True):
@@ -79,6 +78,12 @@ def _discover() -> tuple[_Found, ...]:
             found.append(_Found(BackendSpec(name=ep.name, target=ep.value), owner, version, why))
             continue
         owners[id(plugin)] = (owner, version, ep.name)
+        if not pm.get_hookcallers(plugin):
+            why = (
+                f"plugin {owner} ({ep.value}) registered no hook implementation: is its "
+                "register_backends decorated with @xferkit.hookimpl?"
+            )
+            found.append(_Found(BackendSpec(name=ep.name, target=ep.value), owner, version, why))
     for impl in pm.hook.register_backends.get_hookimpls():
         owner, version, entry = owners.get(id(impl.plugin), (impl.plugin_name, "?", "?"))
         specs: list[BackendSpec] = []
@@ -118,37 +123,77 @@ def _problem(f: _Found) -> str | None:
         return f"probe failed: {type(exc).__name__}: {exc}"
 
 
-def backends() -> list[BackendInfo]:
-    """Every backend plugins announce, usable here or not (and why not)."""
+def backends(check: bool = False) -> list[BackendInfo]:
+    """Every backend plugins announce, usable here or not (and why not).
+
+    With ``check``, also import each usable driver class and verify it (slower:
+    it imports the drivers).
+    """
     out = []
     for f in _discover():
         reason = _problem(f)
+        if reason is None and check:
+            try:
+                _load(f)
+            except PluginError as exc:
+                reason = str(exc)
         out.append(
             BackendInfo(f.spec.name, f.dist, f.version, reason is None, reason, f.spec.target)
         )
     return sorted(out, key=lambda b: (b.name, b.distribution))
 
 
+def _load(f: _Found) -> type[Driver]:
+    """The driver class a spec names, checked."""
+    spec, dist, name = f.spec, f.dist, f.spec.name
+    module_name, _, attr = spec.target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except Exception as exc:
+        raise PluginError(
+            f"backend {name!r} ({dist}): cannot load {spec.target}: {type(exc).__name__}: {exc}",
+            subject=name,
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Driver)):
+        raise PluginError(
+            f"backend {name!r} ({dist}): {spec.target} is not a xferkit.driver.Driver subclass",
+            subject=name,
+        )
+    if getattr(cls, "name", None) != name:
+        raise PluginError(
+            f"backend {name!r} ({dist}): {spec.target} names itself "
+            f"{getattr(cls, 'name', None)!r}, not {name!r}",
+            subject=name,
+        )
+    return cls
+
+
 def open_backend(name: str, **options: Any) -> Backend:
-    """A ready backend by name; ``options`` go to the driver's constructor."""
+    """A ready backend by name; ``options`` go to the driver's constructor.
+
+    An unknown or ill-typed option is an ``OptionError`` for every driver.
+    """
+    if not isinstance(name, str):
+        raise PluginError(f"a backend name is a str, not {name!r}", subject=name)
     matches = [f for f in _discover() if f.spec.name == name]
     if not matches:
         known = sorted({f.spec.name for f in _discover()})
         raise PluginError(f"no backend named {name!r}; installed: {known}", subject=name)
-    spec, dist = matches[0].spec, matches[0].dist
-    reason = _problem(matches[0])
+    found = matches[0]
+    reason = _problem(found)
     if reason is not None:
-        raise PluginError(f"backend {name!r} ({dist}) is not usable here: {reason}", subject=name)
-    module_name, _, attr = spec.target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
         raise PluginError(
-            f"backend {name!r} ({dist}): cannot load {spec.target}: {exc}", subject=name
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Backend)) or cls.name != name:
-        raise PluginError(
-            f"backend {name!r} ({dist}): {spec.target} is not a Backend named {name!r}",
-            subject=name,
+            f"backend {name!r} ({found.dist}) is not usable here: {reason}", subject=name
         )
-    return cls(**options)
+    cls = _load(found)
+    try:
+        driver = cls(**options)
+    except XferError:
+        raise
+    except TypeError as exc:  # an unknown keyword, or a missing one
+        raise OptionError(f"backend {name!r}: bad options {sorted(options)}: {exc}") from exc
+    except Exception as exc:
+        raise PluginError(
+            f"backend {name!r} failed to start: {type(exc).__name__}: {exc}", subject=name
+        ) from exc
+    return Backend(driver)

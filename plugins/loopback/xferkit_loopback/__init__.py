@@ -7,8 +7,9 @@ is imported only when opened.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
-from xferkit import BackendSpec, hookimpl
+from xferkit.driver import BackendSpec, hookimpl
 
 from .faults import Faults
 
@@ -22,9 +23,9 @@ def _probe() -> str | None:
 
 
 @hookimpl
-def register_backends(register) -> None:
+def register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(
         BackendSpec(
-            name="loopback", target="xferkit_loopback.backend:LoopbackBackend", probe=_probe
+            name="loopback", target="xferkit_loopback.backend:LoopbackDriver", probe=_probe
         )
     )

@@ -1,4 +1,8 @@
-"""The conformance kit: every behaviour the core expects of a driver, as pytest tests.
+"""The conformance kit: what a driver must do, as pytest tests.
+
+The core's own guards (bounds, rollback, the empty filter, splitting) are
+tested once, in xferkit's suite, against ``xferkit.testing.mock``; this kit
+runs your driver for real and checks what only a driver can get wrong.
 
 Point it at a backend by subclassing in your plugin's tests::
 
@@ -15,7 +19,6 @@ support, against a peer process.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Iterator
@@ -26,10 +29,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ..backend import Backend, Capabilities, Status
-from ..errors import BoundsError, CapabilityError, RegistrationError, TransferError, XferError
+from ..backend import Backend
+from ..descriptors import Descriptors
+from ..driver import Capabilities, Status
+from ..errors import CapabilityError, RegistrationError, TransferError, XferError
 from ..manifest import Manifest, Region
-from ..planner import Descriptors, coverage
+from ..planner import coverage
 from ..plugins import open_backend
 from .models import gdn_hybrid
 from .peer import Check, Drain, PeerProcess, Setup, Write
@@ -85,36 +90,6 @@ class BackendConformance:
     def open(self, **extra: Any) -> Backend:
         return open_backend(self.backend, **{**self.options, **extra})
 
-    @contextlib.contextmanager
-    def refusing_registration(self, backend: Backend, at: int) -> Iterator[None]:
-        """Make the driver refuse its ``at``-th region registration (1-based).
-
-        Override when the driver can be made to fail for real; the default
-        fails it in front of the driver's own registration call.
-        """
-        real = backend._register_region
-        calls = iter(range(1, 1 << 30))
-
-        def refusing(region: Region) -> None:
-            if next(calls) == at:
-                raise RuntimeError(f"refused registration #{at}")
-            real(region)
-
-        backend._register_region = refusing  # type: ignore[method-assign]
-        real_batch = type(backend)._register_batch
-        if real_batch is not Backend._register_batch:  # driver batches: fail the batch's entry
-
-            def refusing_batch(regions):
-                keep = list(real_batch(backend, regions[: at - 1]))
-                return [*keep, RuntimeError(f"refused registration #{at}")]
-
-            backend._register_batch = refusing_batch  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del backend._register_region
-            backend.__dict__.pop("_register_batch", None)
-
     # -- declaration ------------------------------------------------------------
 
     def test_capabilities_are_declared(self) -> None:
@@ -122,7 +97,7 @@ class BackendConformance:
             caps = b.capabilities
             assert isinstance(caps, Capabilities)
             assert caps.memory and caps.memory <= {"cpu", "cuda"}
-            assert caps.max_batch >= 0 and caps.min_transfer >= 1
+            assert caps.max_batch >= 0
             assert b.name == self.backend
 
     # -- registration -----------------------------------------------------------
@@ -141,19 +116,6 @@ class BackendConformance:
             b.register(m)  # everything was released: the same memory registers again
             assert b.manifest is m
 
-    @pytest.mark.parametrize("at", [1, 2, 4])
-    def test_failed_registration_rolls_back(self, at: int) -> None:
-        bufs = _buffers([4096] * 4, 2)
-        m = _manifest(bufs, "r")
-        with self.open() as b:
-            with self.refusing_registration(b, at), pytest.raises(RegistrationError) as info:
-                b.register(m)
-            assert m.regions[at - 1].label in str(info.value)
-            assert f"#{at}" in str(info.value)  # the driver's own text is carried
-            assert b.manifest is None
-            b.register(m)  # nothing half-registered stays behind
-            assert b.manifest is m
-
     def test_memory_kinds_are_checked_up_front(self) -> None:
         """cuda memory: refused by the core when undeclared, left to the driver when declared."""
         with self.open() as b:
@@ -168,29 +130,14 @@ class BackendConformance:
                 device="cuda:0",
             )
             if "cuda" in b.capabilities.memory:
-                # Declared: the core must let the driver judge it (a bogus address here).
-                with contextlib.suppress(RegistrationError):
+                # Declared: the driver judges it, and no GPU allocation lives at 1 TiB.
+                with pytest.raises(RegistrationError, match="gpu"):
                     b.register(Manifest.build([region]))
+                assert b.manifest is None
                 return
             with pytest.raises(CapabilityError, match="gpu"):
                 b.register(Manifest.build([region]))
             assert b.manifest is None
-
-    def test_empty_regions_never_reach_the_driver(self) -> None:
-        bufs = _buffers([512, 256], 3)
-        empty = np.zeros((4, 0, 3), dtype=np.float32)
-        regions = [
-            Region.from_array(b, pool=f"p{i}", name="x", layer=0) for i, b in enumerate(bufs)
-        ]
-        regions.append(Region.from_array(empty, pool="p", name="temporal", layer=0))
-        m = Manifest.build(regions)
-        seen: list[Region] = []
-        with self.open() as b:
-            real = b._register_batch  # every registration path goes through it
-            b._register_batch = lambda rs: (seen.extend(rs), real(rs))[1]  # type: ignore
-            b.register(m)
-            assert len(m.dropped) == 1 and all(r.nbytes > 0 for r in _held(b).regions)
-            assert len(seen) == 2 and all(r.nbytes > 0 for r in seen)
 
     # -- writes -----------------------------------------------------------------
 
@@ -224,32 +171,6 @@ class BackendConformance:
             a.close()
             b.close()
 
-    def _assert_nothing_posted(self, backend: Backend, peer, descs: Descriptors, error) -> None:
-        posted = []
-        real = backend._post
-        backend._post = lambda *args: posted.append(args) or real(*args)  # type: ignore
-        with pytest.raises(error):
-            backend.write(peer, descs)
-        del backend._post
-        assert posted == []
-
-    def test_bounds_and_zero_length_are_refused_before_posting(self) -> None:
-        a, b, src_bufs, dst_bufs = self._pair()
-        with a, b:
-            peer = a.connect(b.endpoint(), _held(b))
-            s0, d0 = src_bufs[0].ctypes.data, dst_bufs[0].ctypes.data
-            cases = [
-                ([s0], [d0], [0]),  # zero length
-                ([s0], [d0], [src_bufs[0].size + 1]),  # past the end of the source region
-                ([s0 + 8], [d0 + dst_bufs[0].size - 4], [8]),  # past the peer's region
-                ([1 << 20], [d0], [8]),  # unregistered source
-                ([s0, s0], [d0, 1 << 20], [8, 8]),  # one bad among good ones
-            ]
-            for s, d, n in cases:
-                descs = Descriptors(*(np.array(x, dtype=np.uint64) for x in (s, d, n)))
-                self._assert_nothing_posted(a, peer, descs, BoundsError)
-            assert (dst_bufs[0] == _buffers([16384], 11)[0]).all()  # untouched
-
     def test_heterogeneous_plan_through_backend(self) -> None:
         ref = Reference(
             gdn_hybrid_specs(), src_tp=2, dst_tp=4, src_slots=SRC_SLOTS, dst_slots=DST_SLOTS
@@ -270,6 +191,7 @@ class BackendConformance:
                 backend.close()
 
     def test_notifications_follow_the_data(self) -> None:
+        """When the notification can be seen, the data is in place: checked at that moment."""
         a, b, src_bufs, dst_bufs = self._pair()
         with a, b:
             peer = a.connect(b.endpoint(), _held(b))
@@ -281,12 +203,16 @@ class BackendConformance:
             if not a.capabilities.notifications:
                 with pytest.raises(CapabilityError):
                     a.write(peer, descs, notify=b"done")
-                return
-            a.write(peer, descs, notify=b"req-7 done").wait(self.wait_s)
-            notes = _drain_until(b, 1, self.wait_s)
-            assert [n.message for n in notes] == [b"req-7 done"]
-            # The data was in place when the notification could be seen.
-            np.testing.assert_array_equal(dst_bufs[2], src_bufs[2])
+                pytest.skip(f"{self.backend} declares no notifications (refused, as it should)")
+            for round in range(5):
+                dst_bufs[2][:] = 0
+                t = a.write(peer, descs, notify=b"req-%d" % round)
+                notes = _drain_until(b, 1, self.wait_s, while_polling=t)
+                got = dst_bufs[2].copy()  # before anything else can land
+                assert [n.message for n in notes] == [b"req-%d" % round]
+                assert notes[0].peer == f"{a.name}:{a.driver.address}"
+                np.testing.assert_array_equal(got, src_bufs[2])
+                t.wait(self.wait_s)
             a.write(peer, Descriptors.empty(), notify=b"alone").wait(self.wait_s)
             assert [n.message for n in _drain_until(b, 1, self.wait_s)] == [b"alone"]
 
@@ -339,20 +265,20 @@ class BackendConformance:
             index=index,
         )
 
-    def _cross_process(self) -> bool:
-        """Whether the driver claims cross-process support; if not, verify it refuses a peer."""
+    def _cross_process(self) -> None:
+        """Skip (not pass) unless the driver claims cross-process support; if not, it must refuse."""
         with self.open() as b:
             if b.capabilities.cross_process:
-                return True
+                return
             with pytest.raises(CapabilityError), PeerProcess() as p:
                 r = p.ask(self._setup("dst", 0, 1, 1))
+                b.register(_manifest(_buffers([64], 0), "x"))
                 b.connect(r.endpoint, Manifest.decode(r.manifest))
-            return False
+        pytest.skip(f"{self.backend} declares no cross-process support (refused, as it should)")
 
     def test_cross_process_write_into_peer(self) -> None:
         """This process holds prefill TP 2; a peer process is decode rank 1 of TP 4."""
-        if not self._cross_process():
-            return
+        self._cross_process()
         setup = self._setup("dst", 1, 2, 4)
         ref = Reference(setup.specs, src_tp=2, dst_tp=4, src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
         srcs = [self.open() for _ in ref.srcs]
@@ -374,7 +300,7 @@ class BackendConformance:
                     deadline = time.monotonic() + self.wait_s
                     notes: list = []
                     while len(notes) < len(cov.sources) and time.monotonic() < deadline:
-                        notes += peer_proc.ask(Drain()).notes
+                        notes += peer_proc.ask(Drain(timeout=1.0)).notes
                     assert [m for _, m in notes] == [b"sent"] * len(cov.sources)
             finally:
                 for backend in srcs:
@@ -382,8 +308,7 @@ class BackendConformance:
 
     def test_cross_process_write_from_peer(self) -> None:
         """A peer process is prefill rank 0 of TP 1 and writes into this process (decode TP 2)."""
-        if not self._cross_process():
-            return
+        self._cross_process()
         setup = self._setup("src", 0, 1, 2)
         ref = Reference(setup.specs, src_tp=1, dst_tp=2, src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
         dsts = [self.open() for _ in ref.dsts]
@@ -405,8 +330,7 @@ class BackendConformance:
                     backend.close()
 
     def test_cross_process_dead_peer_is_reported(self) -> None:
-        if not self._cross_process():
-            return
+        self._cross_process()
         setup = self._setup("dst", 0, 1, 1)
         ref = Reference(setup.specs, src_tp=1, dst_tp=1, src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
         with self.open() as src:
@@ -428,10 +352,14 @@ def _held(backend: Backend) -> Manifest:
     return backend.manifest
 
 
-def _drain_until(backend: Backend, count: int, timeout: float) -> list:
+def _drain_until(
+    backend: Backend, count: int, timeout: float, while_polling: Any = None
+) -> list:
+    """Notifications until ``count`` arrived or ``timeout``; polls a sender's transfer meanwhile."""
     notes: list = []
     deadline = time.monotonic() + timeout
     while len(notes) < count and time.monotonic() < deadline:
-        notes += backend.notifications()
-        time.sleep(0.001)
+        if while_polling is not None:
+            while_polling.poll()  # a split write progresses while its sender polls
+        notes += backend.notifications(timeout=0.01)
     return notes

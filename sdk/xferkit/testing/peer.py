@@ -47,7 +47,9 @@ class Write(msgspec.Struct, tag=True):
 
 
 class Drain(msgspec.Struct, tag=True):
-    """Return the notifications received so far."""
+    """Return the notifications received so far, waiting up to ``timeout`` for one."""
+
+    timeout: float = 0.0
 
 
 class Quit(msgspec.Struct, tag=True):
@@ -104,8 +106,8 @@ def serve() -> None:
                 descs = plan(backend.manifest, dst).expand(req.slots)
                 backend.write(peer, descs, req.notify).wait(60)
                 reply = Reply(True)
-            else:
-                notes = backend.notifications()
+            elif isinstance(req, Drain):
+                notes = backend.notifications(timeout=req.timeout)
                 reply = Reply(True, notes=[(n.peer, n.message) for n in notes])
         except Exception as exc:
             reply = Reply(False, f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,323 @@
+"""What a driver plugin implements: the primitives under the core's guards.
+
+A driver is the thin adapter between xferkit and one transfer engine, the way
+an httpx transport sits under ``Client``. It never sees a zero-length region
+or descriptor, an unchecked address, a malformed endpoint, a call after
+``close`` or a connection the core did not count: the ``Backend`` that holds
+it has refused all of those first. What is left is the engine's own work:
+register memory, reach a peer, post a batch, send a notification.
+
+Call order (the core guarantees it; see docs/plugins.md for what may overlap):
+``register_regions`` before ``endpoint``; ``connect`` once per remote address
+(reference-counted by the core) before any ``post``/``notify`` to it; every
+transfer to a peer ended before ``disconnect``; every transfer ended before
+``deregister_region``; ``close`` last, once.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+import pluggy
+
+from .descriptors import Descriptors
+from .manifest import AddressTable, Manifest, Region, parse_device
+
+CONTRACT_VERSION = 2
+"""Bumped whenever the driver primitives change; plugins declare the one they implement."""
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What a driver declares it can do; the core checks every request against it."""
+
+    memory: frozenset[str] = frozenset({"cpu"})
+    """Device kinds it registers: ``"cpu"`` (host memory), ``"cuda"`` (GPU memory)."""
+    notifications: bool = False
+    """Whether ``write(..., notify=)`` and ``notifications()`` work."""
+    cross_process: bool = False
+    """Whether a peer may live in another process (or host); else same-process peers only."""
+    max_batch: int = 0
+    """Most descriptors per ``post``; the core splits larger writes. 0 means no limit."""
+
+    def __post_init__(self) -> None:
+        from .errors import OptionError
+
+        if not self.memory or not self.memory <= {"cpu", "cuda"}:
+            raise OptionError(f"capabilities: memory {sorted(self.memory)} not within cpu, cuda")
+        if type(self.max_batch) is not int or self.max_batch < 0:
+            raise OptionError(
+                f"capabilities: max_batch must be an int >= 0 (0: no limit), not {self.max_batch!r}"
+            )
+        for field in ("notifications", "cross_process"):
+            if type(getattr(self, field)) is not bool:
+                raise OptionError(f"capabilities: {field} must be a bool")
+
+
+class Status(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Notification(msgspec.Struct, frozen=True):
+    """A message a peer attached to a write, delivered after that write's data.
+
+    ``peer`` is the sender's name as ``Peer.name`` spells it on the sending
+    side's peers (``backend:address``), so a receiver can tell senders apart.
+    """
+
+    peer: str
+    message: bytes
+
+
+class Posted(ABC):
+    """A driver's handle on one posted batch (or notification)."""
+
+    @abstractmethod
+    def poll(self) -> Status:
+        """Progress check; must never block."""
+
+    @property
+    @abstractmethod
+    def error(self) -> str:
+        """The driver's own text for a FAILED batch."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Free driver resources; called once, after completion or to abort a pending batch."""
+
+    def block(self, timeout: float) -> None:
+        """Sleep until the batch may have progressed, at most ``timeout`` seconds.
+
+        Drivers that can block on completion override this; the default naps.
+        """
+        time.sleep(min(timeout, 5e-5))
+
+
+class Done(Posted):
+    """A batch that completed when it was posted (a synchronous engine call)."""
+
+    def poll(self) -> Status:
+        return Status.DONE
+
+    @property
+    def error(self) -> str:
+        return ""
+
+
+class Driver(ABC):
+    """The primitives one transfer engine provides. Subclass, declare, implement.
+
+    Declare ``name`` (the backend name), ``Blob`` (the msgspec Struct your
+    endpoint carries: the core encodes it and decodes a peer's with it, so a
+    malformed one never reaches ``connect``) and set ``capabilities`` in
+    ``__init__``. ``address`` is this driver's identity towards peers (an agent
+    name, a segment): a peer's ``Peer.name`` and a receiver's
+    ``Notification.peer`` are ``f"{name}:{address}"``.
+    """
+
+    name: ClassVar[str]
+    Blob: ClassVar[type[msgspec.Struct]]
+    capabilities: Capabilities = Capabilities()
+    address: str
+
+    # -- memory ----------------------------------------------------------------
+
+    def register_regions(self, regions: Sequence[Region]) -> Sequence[BaseException | None]:
+        """Register regions: one result per region (None = registered); stop at the first failure.
+
+        Override to use the engine's batch call; the core rolls back the
+        registered ones when any failed, and treats a raise as "unknown which".
+        """
+        results: list[BaseException | None] = []
+        for r in regions:
+            try:
+                self.register_region(r)
+            except Exception as exc:
+                results.append(exc)
+                break
+            results.append(None)
+        return results
+
+    @abstractmethod
+    def register_region(self, region: Region) -> None: ...
+
+    @abstractmethod
+    def deregister_region(self, region: Region) -> None: ...
+
+    # -- peers -----------------------------------------------------------------
+
+    @abstractmethod
+    def endpoint(self) -> msgspec.Struct:
+        """This driver's part of the endpoint (a ``Blob``); asked after registration."""
+
+    @abstractmethod
+    def connect(self, blob: Any, manifest: Manifest) -> Any:
+        """A connection (any object) to the peer behind ``blob``, which advertised ``manifest``."""
+
+    def disconnect(self, link: Any) -> None:  # noqa: B027 - optional hook
+        """Forget a connection; no transfer on it is running."""
+
+    # -- transfers -------------------------------------------------------------
+
+    @abstractmethod
+    def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
+        """Start one batch of 1..``max_batch`` checked descriptors; deliver ``notify`` after it."""
+
+    def notify(self, link: Any, message: bytes) -> Posted:
+        """Send a notification alone (no data). Required when ``notifications`` is declared."""
+        raise NotImplementedError(f"{self.name} does not send notifications alone")
+
+    def notifications(self) -> Sequence[tuple[str, bytes]]:
+        """Drain what arrived: (sender address, message) pairs. Never raises for bad input."""
+        return ()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine; nothing is registered or connected any more."""
+
+
+# -- announcing a driver ------------------------------------------------------------
+
+hookimpl = pluggy.HookimplMarker("xferkit")
+"""Decorate your plugin module's ``register_backends(register)`` with it."""
+
+
+class BackendSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A backend as a plugin announces it, before anything heavy is imported.
+
+    ``name`` is the backend name (``open_backend(name)``; it need not equal the
+    entry-point name), ``target`` the driver class as ``"package.module:Class"``,
+    ``probe`` a cheap check returning None when usable here, else the reason.
+    """
+
+    name: str
+    target: str
+    contract: int = CONTRACT_VERSION
+    probe: Callable[[], str | None] | None = None
+
+
+# -- asynchronous posts for engines whose batch call blocks ----------------------------
+
+class QueuedBatch(Posted):
+    """One batch waiting for, or run by, a ``BatchWorker``. Subclass to carry driver state.
+
+    ``descs`` is None for a notification sent alone.
+    """
+
+    __slots__ = ("_error", "_status", "cancelled", "descs", "finished", "notify")
+
+    def __init__(self, descs: Descriptors | None, notify: bytes | None) -> None:
+        self.descs, self.notify = descs, notify
+        self._status = Status.PENDING
+        self._error = ""
+        self.cancelled = False
+        self.finished = threading.Event()
+
+    def poll(self) -> Status:
+        return self._status
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    def block(self, timeout: float) -> None:
+        self.finished.wait(timeout)
+
+    def release(self) -> None:
+        """A batch still queued is dropped; one already running finishes."""
+        self.cancelled = True
+
+    def end(self, error: str | None = None) -> None:
+        """Record the outcome (None: done) and wake whoever waits."""
+        if error is None:
+            self._status = Status.DONE
+        else:
+            self._error, self._status = error, Status.FAILED
+        self.finished.set()
+
+
+B = TypeVar("B", bound="QueuedBatch")
+
+
+class BatchWorker(Generic[B]):
+    """A daemon thread running ``execute(batch) -> error text or None`` for each posted batch."""
+
+    def __init__(self, execute: Callable[[B], str | None], name: str) -> None:
+        self._execute = execute
+        self._queue: queue.SimpleQueue[B | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, batch: B) -> None:
+        self._queue.put(batch)
+
+    def stop(self) -> None:
+        """Run what is queued, then end the thread."""
+        self._queue.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the thread to end; False if it is still running after ``timeout``."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            if batch.cancelled:
+                batch.end("aborted before it ran")
+                continue
+            try:
+                batch.end(self._execute(batch))
+            except Exception as exc:  # never let the worker die silently
+                batch.end(f"driver worker error: {type(exc).__name__}: {exc}")
+
+
+# -- helpers several drivers need ------------------------------------------------
+
+INFINIBAND = "/sys/class/infiniband"
+
+
+def rdma_devices(root: str = INFINIBAND) -> dict[str, str]:
+    """RDMA devices the kernel exposes, by name, with their kernel driver ("" when unknown)."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        try:
+            out[name] = os.path.basename(os.readlink(os.path.join(root, name, "device", "driver")))
+        except OSError:
+            out[name] = ""
+    return out
+
+
+__all__ = [
+    "CONTRACT_VERSION",
+    "AddressTable",
+    "BackendSpec",
+    "BatchWorker",
+    "Capabilities",
+    "Descriptors",
+    "Done",
+    "Driver",
+    "Manifest",
+    "Notification",
+    "Posted",
+    "QueuedBatch",
+    "Region",
+    "Status",
+    "hookimpl",
+    "parse_device",
+    "rdma_devices",
+]
