@@ -16,7 +16,6 @@ import numpy as np
 from report import default_out, save
 
 import xferkit as xk
-from xferkit.backend import _inside, _region_table
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, TOKENS, BF16 = 80, 8, 128, 64, 8192, 2
 POOL_PAGES = 4096  # pages each rank's pool holds
@@ -107,8 +106,7 @@ def _pages(rng: np.random.Generator, count: int, scattered: bool) -> np.ndarray:
 def _scan(d: xk.Descriptors, src: xk.Manifest, dst: xk.Manifest) -> None:
     """The core's bounds scan, which plan-made descriptors skip (what hand-made ones cost)."""
     for addrs, m in ((d.src, src), (d.dst, dst)):
-        starts, ends, _ = _region_table(m)
-        assert _inside(addrs, d.nbytes, starts, ends).all()
+        assert m.first_outside(addrs, d.nbytes) < 0
 
 
 def _time(fn, repeat: int) -> float:

@@ -3,15 +3,17 @@
 A peer process (``xferkit.testing.peer``) is decode rank 0 of a model with one
 region per descriptor size (4 KiB, 64 KiB and 1 MiB slots, ``--total-mib``
 each); this process is prefill rank 0 and writes every slot to a shuffled
-destination slot, the way a paged KV cache moves. For each size, four ways of
+destination slot, the way a paged KV cache moves. For each size, three ways of
 moving the same bytes alternate, their order rotating round by round:
 
 * ``raw init``: Nx3 arrays from the descriptors, ``nixlXferDList``,
-  ``initialize_xfer``, ``transfer``, polling ``check_xfer_state``, release;
+  ``initialize_xfer``, ``transfer``, polling ``check_xfer_state``, release (the
+  calls the plugin makes);
 * ``raw prep``: ``make_prepped_xfer`` on per-slot lists prepared once, with the
-  indices precomputed (the best a hand-written driver can do), then the same;
-* ``plugin init`` / ``plugin prep``: ``backend.write(peer, descs).wait()`` with
-  ``post="initialize"`` / ``post="prepared"``, core guards included.
+  indices precomputed: the best a hand-written caller that already holds slot
+  indices can do (the plugin, given addresses, has no such path: a prepared-list
+  path measured 3 to 4 times slower to post than ``initialize_xfer`` and went);
+* ``plugin``: ``backend.write(peer, descs).wait()``, core guards included.
 
 Raw NIXL runs on an agent of its own with the plugin's configuration (progress
 thread, 1 ms poll delay). On one host UCX moves the bytes inside ``transfer()``
@@ -40,12 +42,25 @@ import xferkit as xk
 from xferkit.testing.peer import Check, PeerProcess, Setup
 from xferkit.testing.reference import Reference, RegionSpec
 from xferkit_nixl import ucx_env
-from xferkit_nixl.backend import _Blob, _new_agent
-from xferkit_nixl.nixl_api import load
+from xferkit_nixl.backend import NixlDriver
+from xferkit_nixl.nixl_api import load, new_agent
 
 SIZES = [4 << 10, 64 << 10, 1 << 20]
-WAYS = ("raw init", "raw prep", "plugin init", "plugin prep")
+WAYS = ("raw init", "raw prep", "plugin")
 DRAM = ("DRAM", 0)
+
+
+class _Envelope(msgspec.Struct):
+    """The part of xferkit's endpoint envelope read here: the driver's blob."""
+
+    blob: msgspec.Raw
+
+
+class _Target(msgspec.Struct):
+    """The NIXL driver's blob: the peer agent's name and metadata, for the raw agent."""
+
+    name: str
+    metadata: bytes
 
 
 def _specs() -> list[RegionSpec]:
@@ -107,15 +122,13 @@ class Bench:
         self.ref = ref  # owns the source buffers: they must outlive every transfer
         self.local = ref.srcs[0].manifest
         self.proc = PeerProcess()
-        self.init = xk.open_backend("nixl", agent_prefix="bench-init")
-        self.prep = xk.open_backend("nixl", agent_prefix="bench-prep", post="prepared")
+        self.plugin = xk.open_backend("nixl", agent_prefix="bench-plugin")
+        driver = self.plugin.driver
+        assert isinstance(driver, NixlDriver)
+        self.driver = driver
         config = self.api.nixl_agent_config(backends=["UCX"])
-        self.raw = _new_agent(self.api, self.bindings, "bench-raw", config, 1000)
-        self.clocks = {
-            "raw": _Clock(self.raw),
-            "plugin init": _Clock(self.init._agent),
-            "plugin prep": _Clock(self.prep._agent),
-        }
+        self.raw = new_agent(self.api, self.bindings, "bench-raw", config, 1000)
+        self.clocks = {"raw": _Clock(self.raw), "plugin": _Clock(driver._agent)}
         self.requests: dict[str, tuple[list[int], list[int]]] = {}
 
     def connect(self) -> None:
@@ -134,12 +147,10 @@ class Bench:
         )
         assert ready.ok, ready.error
         self.remote = xk.Manifest.decode(ready.manifest)
-        env = msgspec.msgpack.decode(ready.endpoint, type=xk.Endpoint)
-        self.target = msgspec.msgpack.decode(env.blob, type=_Blob)
-        self.peers = {}
-        for backend in (self.init, self.prep):
-            backend.register(self.local)
-            self.peers[backend] = backend.connect(ready.endpoint, self.remote)
+        env = msgspec.msgpack.decode(ready.endpoint, type=_Envelope)
+        self.target = msgspec.msgpack.decode(env.blob, type=_Target)
+        self.plugin.register(self.local)
+        self.peer = self.plugin.connect(ready.endpoint, self.remote)
         self.raw.register_memory([(r.addr, r.nbytes, 0, "") for r in self.local.regions], "DRAM")
         self.raw.add_remote_agent(self.target.metadata)
         self.plan = xk.plan(self.local, self.remote)
@@ -150,8 +161,7 @@ class Bench:
 
     def close(self) -> None:
         self.proc.close()
-        self.init.close()
-        self.prep.close()
+        self.plugin.close()
         self.raw = None
 
     # -- one descriptor size -----------------------------------------------------------
@@ -199,49 +209,33 @@ class Bench:
             if state != "DONE":
                 raise RuntimeError(f"raw transfer ended {state}")
 
-        init, prep = self.init, self.prep
+        plugin, peer = self.plugin, self.peer
         ways = {
             "raw init": (lambda: raw_move(make_raw_init), self.clocks["raw"]),
             "raw prep": (lambda: raw_move(make_raw_prep), self.clocks["raw"]),
-            "plugin init": (
-                lambda: init.write(self.peers[init], descs).wait(60),
-                self.clocks["plugin init"],
-            ),
-            "plugin prep": (
-                lambda: prep.write(self.peers[prep], descs).wait(60),
-                self.clocks["plugin prep"],
-            ),
+            "plugin": (lambda: plugin.write(peer, descs).wait(60), self.clocks["plugin"]),
         }
-        for fn, _ in ways.values():  # warm: connections, prepared lists
+        for fn, _ in ways.values():  # warm: connections, caches
             fn()
-        took_prepared = prep.posts["prepared"]
         times: dict[str, list[float]] = {k: [] for k in WAYS}
         inside: dict[str, list[float]] = {k: [] for k in WAYS}
         for r in range(rounds):
-            for k in WAYS[r % 4 :] + WAYS[: r % 4]:
+            for k in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
                 fn, clock = ways[k]
                 before = clock.inside
                 t = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t)
                 inside[k].append(clock.inside - before)
-        took_prepared = prep.posts["prepared"] - took_prepared == rounds
 
-        # Posting cost: building one request, no transfer.
+        # Posting cost: building one request, no transfer (the plugin's: its NIXL request).
         reps = max(20, min(400, 200_000 // n))
-        h_init, h_prep = self.peers[init].handle, self.peers[prep].handle
+        driver, link = self.driver, self.driver._remotes[self.target.name]
         cost = {
             "raw init": _median_us(make_raw_init, reps),
             "raw prep": _median_us(make_raw_prep, reps),
-            "plugin init": _median_us(
-                lambda: init._request(h_init, DRAM, DRAM, descs, b"", True), reps
-            ),
-            "plugin prep": _median_us(
-                lambda: prep._request(h_prep, DRAM, DRAM, descs, b"", True), reps
-            ),
-            "core guards": _median_us(
-                lambda: init._check_descriptors(self.peers[init], descs), reps
-            ),
+            "plugin": _median_us(lambda: driver._request(link, DRAM, DRAM, descs, b""), reps),
+            "core guards": _median_us(lambda: plugin._check_descriptors(peer, descs), reps),
         }
         lp.release()
         rp.release()
@@ -256,7 +250,6 @@ class Bench:
             "descriptor_bytes": size,
             "descriptors": len(descs),
             "bytes": int(descs.total_bytes),
-            "plugin_prepared_path_taken": took_prepared,
             "copy_ms_median": copy * 1e3,
         }
         row |= {f"{slug[k]}_gbps": self.total / statistics.median(times[k]) / 1e9 for k in WAYS}
@@ -264,15 +257,13 @@ class Bench:
         row |= {f"{slug[k]}_copy_ms": statistics.median(inside[k]) * 1e3 for k in WAYS}
         row |= {
             # Per round (both ran under the same load), then the median.
-            "ratio_init": _paired(times["raw init"], times["plugin init"]),
-            "ratio_prep": _paired(times["raw prep"], times["plugin prep"]),
-            "ratio_default_vs_best_raw": _paired(
+            "ratio_init": _paired(times["raw init"], times["plugin"]),
+            "ratio_vs_best_raw": _paired(
                 [min(a, c) for a, c in zip(times["raw init"], times["raw prep"], strict=True)],
-                times["plugin init"],
+                times["plugin"],
             ),
             # What the overheads imply at the median copy time.
-            "ratio_init_from_overhead": (copy + over["raw init"]) / (copy + over["plugin init"]),
-            "ratio_prep_from_overhead": (copy + over["raw prep"]) / (copy + over["plugin prep"]),
+            "ratio_init_from_overhead": (copy + over["raw init"]) / (copy + over["plugin"]),
         }
         row |= {f"post_us_per_desc_{slug[k]}": v / len(descs) for k, v in cost.items()}
         row |= {f"post_us_{slug[k]}": v for k, v in cost.items()}
@@ -297,37 +288,32 @@ def _print(rows: list[dict], total_mib: int, rounds: int) -> None:
         f"({os.cpu_count()} CPUs)\n"
     )
     head = (
-        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plg init':>8} "
-        f"{'plg prep':>8} GB/s | plugin/raw {'init':>5} {'prep':>5} {'dflt/best':>9} | "
-        f"from overhead {'init':>5} {'prep':>5}"
+        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plugin':>8} GB/s | "
+        f"plugin/raw init {'paired':>6} {'overhead':>8} | plugin/best raw"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['descriptor_bytes'] >> 10:>5}Ki {r['descriptors']:>6} | "
-            f"{r['raw_init_gbps']:8.2f} {r['raw_prep_gbps']:8.2f} {r['plugin_init_gbps']:8.2f} "
-            f"{r['plugin_prep_gbps']:8.2f}      |            {r['ratio_init']:5.2f} "
-            f"{r['ratio_prep']:5.2f} {r['ratio_default_vs_best_raw']:9.2f} |               "
-            f"{r['ratio_init_from_overhead']:5.2f} {r['ratio_prep_from_overhead']:5.2f}"
+            f"{r['raw_init_gbps']:8.2f} {r['raw_prep_gbps']:8.2f} {r['plugin_gbps']:8.2f}      | "
+            f"                {r['ratio_init']:6.2f} {r['ratio_init_from_overhead']:8.2f} | "
+            f"{r['ratio_vs_best_raw']:15.2f}"
         )
     print("\ntime per write outside UCX's copy (us; median copy time in ms)\n")
-    head = (
-        f"{'desc':>7} | {'copy ms':>8} | {'raw init':>8} {'raw prep':>8} {'plg init':>8} "
-        f"{'plg prep':>8}"
-    )
+    head = f"{'desc':>7} | {'copy ms':>8} | {'raw init':>8} {'raw prep':>8} {'plugin':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['descriptor_bytes'] >> 10:>5}Ki | {r['copy_ms_median']:8.2f} | "
             f"{r['raw_init_overhead_us']:8.1f} {r['raw_prep_overhead_us']:8.1f} "
-            f"{r['plugin_init_overhead_us']:8.1f} {r['plugin_prep_overhead_us']:8.1f}"
+            f"{r['plugin_overhead_us']:8.1f}"
         )
     print("\nposting cost per descriptor: building one request, no transfer (us)\n")
     head = (
-        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plg init':>8} "
-        f"{'plg prep':>8} | {'guards':>7} | per request: raw init / plg init / plg prep"
+        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plugin':>8} | "
+        f"{'guards':>7} | per request: raw init / raw prep / plugin"
     )
     print(head)
     print("-" * len(head))
@@ -335,9 +321,9 @@ def _print(rows: list[dict], total_mib: int, rounds: int) -> None:
         print(
             f"{r['descriptor_bytes'] >> 10:>5}Ki {r['descriptors']:>6} | "
             f"{r['post_us_per_desc_raw_init']:8.4f} {r['post_us_per_desc_raw_prep']:8.4f} "
-            f"{r['post_us_per_desc_plugin_init']:8.4f} {r['post_us_per_desc_plugin_prep']:8.4f} | "
+            f"{r['post_us_per_desc_plugin']:8.4f} | "
             f"{r['post_us_per_desc_core_guards']:7.4f} | {r['post_us_raw_init']:.1f} / "
-            f"{r['post_us_plugin_init']:.1f} / {r['post_us_plugin_prep']:.1f} us"
+            f"{r['post_us_raw_prep']:.1f} / {r['post_us_plugin']:.1f} us"
         )
 
 

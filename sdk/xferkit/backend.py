@@ -13,11 +13,13 @@ error with the driver's own text.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
 import time
-from typing import Any, final
+import weakref
+from typing import Any, NoReturn, final
 
 import msgspec
 import numpy as np
@@ -31,9 +33,12 @@ from .errors import (
     RegistrationError,
     TransferError,
     XferError,
+    keep_first,
 )
 from .manifest import Manifest, Region
 from .transfer import Transfer, seconds
+
+log = logging.getLogger("xferkit")
 
 DRAIN_S = 10.0
 """How long ``close``/``deregister``/``disconnect`` wait for aborted batches to leave the driver."""
@@ -99,6 +104,9 @@ class Backend:
         self._inflight: set[Transfer] = set()
         self._lock = threading.RLock()
         self._closed = False
+        # A backend dropped without close() still releases its driver (threads, sockets).
+        self._finalizer = weakref.finalize(self, _abandoned, driver)
+        self._finalizer.atexit = False
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._peers)} peers"
@@ -137,11 +145,11 @@ class Backend:
         try:
             results = list(self._driver.register_regions(regions))[: len(regions)]
         except Exception as exc:  # the driver raised instead of reporting per region
-            self._unregister_unknown(regions, exc)
+            self._unregister_unknown(regions, exc, "raised")
         failed = next((i for i, res in enumerate(results) if res is not None), None)
-        if failed is None and len(results) != len(regions):
-            failed = len(results)
-            results.append(RuntimeError("driver returned too few results"))
+        if failed is None and len(results) != len(regions):  # the rest left unsaid: unknown
+            missing = RuntimeError("driver returned too few results")
+            self._unregister_unknown(regions, missing, f"answered for {len(results)} of them")
         if failed is not None:
             cause = results[failed]
             r = regions[failed]
@@ -150,7 +158,8 @@ class Backend:
                 f"[{r.addr:#x}, +{r.nbytes}) on {r.device}: {cause}",
                 subject=r.key,
             )
-            error.__cause__ = cause
+            if isinstance(cause, BaseException):  # else the driver's text, already quoted
+                error.__cause__ = cause
             done = [reg for reg, res in zip(regions, results, strict=False) if res is None]
             for reg in reversed(done):
                 try:
@@ -160,10 +169,10 @@ class Backend:
             raise error
         self._manifest = manifest
 
-    def _unregister_unknown(self, regions: list[Region], cause: Exception) -> None:
-        """A batch registration raised: which regions it left registered is unknown."""
+    def _unregister_unknown(self, regions: list[Region], cause: Exception, how: str) -> NoReturn:
+        """A batch registration raised or fell short: which regions it holds is unknown."""
         error = RegistrationError(
-            f"{self.name} failed while registering {len(regions)} regions (the driver raised "
+            f"{self.name} failed while registering {len(regions)} regions (the driver {how} "
             f"instead of naming the failing region): {cause}"
         )
         error.__cause__ = cause
@@ -185,10 +194,7 @@ class Backend:
                 error = RegistrationError(
                     f"{self.name} failed to deregister region {r.label}: {exc}", subject=r.key
                 )
-                if first is None:
-                    first = error
-                else:
-                    first.attach(error)
+                first = keep_first(first, error)
         if first is not None:
             raise first
 
@@ -221,23 +227,31 @@ class Backend:
         """Reach the backend behind ``endpoint``, which advertised ``manifest``."""
         self._check_open("connect")
         if not isinstance(manifest, Manifest):
-            raise ProtocolError(f"{self.name}: connect() needs the peer's Manifest, not {manifest!r}")
+            raise ProtocolError(
+                f"{self.name}: connect() needs the peer's Manifest, not {manifest!r}"
+            )
         env, blob = self._open_envelope(endpoint)
+        name, raw = f"{self.name}:{env.address}", bytes(env.blob)
+        with self._lock:
+            old = self._links.get(env.address)
+            if old is not None and old.blob != raw:  # the peer re-registered or restarted
+                del self._links[env.address]
+                stale = [p for p in self._peers if p._link is old]
+                for p in stale:  # refused from now on
+                    p._link = None
+                ending = {t for t in self._inflight if t.peer in stale}
+            else:
+                old = None
+        if old is not None:  # outside the lock: draining may take a while
+            self._retire(old, ending)
         with self._lock:
             link = self._links.get(env.address)
-            if link is not None and link.blob != bytes(env.blob):
-                link = None  # the peer re-registered or restarted: a new connection
-            if link is None:
-                name = f"{self.name}:{env.address}"
+            if link is None or link.blob != raw:
                 try:
                     handle = self._driver.connect(blob, manifest)
                 except Exception as exc:
                     raise self._wrap(exc, f"connecting to peer {name}", subject=name) from exc
-                old = self._links.get(env.address)
-                link = _Link(env.address, bytes(env.blob), handle)
-                self._links[env.address] = link
-                if old is not None:  # peers holding the old connection are now stale
-                    self._retire(old)
+                link = self._links[env.address] = _Link(env.address, raw, handle)
             link.users += 1
             peer = Peer(self.name, link, manifest)
             self._peers.add(peer)
@@ -271,31 +285,34 @@ class Backend:
 
     def disconnect(self, peer: Peer) -> None:
         """End the peer's transfers and forget it; the connection closes with its last peer."""
+        if not isinstance(peer, Peer):
+            raise TransferError(f"{self.name}: disconnect() takes a Peer, not {peer!r}")
         with self._lock:
             if peer not in self._peers:
                 return
             self._peers.discard(peer)
             link, peer._link = peer._link, None
-        mine = {t for t in self._inflight if t.peer is peer}
+            mine = {t for t in self._inflight if t.peer is peer}
         first = self._end_transfers(mine, f"peer {peer.name} was disconnected")
         if link is not None:
-            link.users -= 1
-            if link.users == 0:
-                with self._lock:
-                    if self._links.get(link.address) is link:
-                        del self._links[link.address]
-                error = self._release_link(link)
-                first = first or error
+            with self._lock:
+                link.users -= 1
+                last = link.users == 0 and self._links.get(link.address) is link
+                if last:
+                    del self._links[link.address]
+            if last and (error := self._release_link(link)) is not None:
+                first = keep_first(first, error)
         if first is not None:
             raise first
 
-    def _retire(self, link: _Link) -> None:
-        """A connection replaced by a newer one: its peers are stale from now on."""
-        for peer in [p for p in self._peers if p._link is link]:
-            peer._link = None
-            link.users -= 1
-        if link.users <= 0:
-            self._release_link(link)
+    def _retire(self, link: _Link, ending: set[Transfer]) -> None:
+        """A connection replaced by a newer one: end its transfers, then drop it, before the
+        driver connects anew (so it never holds the old and the new one busy at once)."""
+        why = f"peer {self.name}:{link.address} re-registered or restarted: this peer is stale"
+        error = self._end_transfers(ending, why)
+        error = self._release_link(link) or error
+        if error is not None:  # connect() itself goes on: say so, loudly
+            log.warning("%s: retiring the old connection to %s: %s", self.name, link.address, error)
 
     def _release_link(self, link: _Link) -> XferError | None:
         try:
@@ -306,9 +323,21 @@ class Backend:
 
     # -- transfers -------------------------------------------------------------
 
-    def write(self, peer: Peer, descs: Descriptors, notify: bytes | None = None) -> Transfer:
-        """Post ``descs`` (local src -> peer dst); checked in full before anything is posted."""
+    def write(
+        self,
+        peer: Peer,
+        descs: Descriptors,
+        notify: bytes | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """Post ``descs`` (local src -> peer dst); checked in full before anything is posted.
+
+        ``notify`` reaches the peer after all the data. ``timeout`` (seconds) is the
+        write's deadline: past it, the transfer fails (stage: timeout) and is aborted.
+        """
         self._check_open("write")
+        limit = None if timeout is None else seconds(timeout, "timeout")
         if not isinstance(peer, Peer):
             raise TransferError(f"{self.name}: write() needs a Peer from connect(), not {peer!r}")
         if not isinstance(descs, Descriptors):
@@ -353,7 +382,7 @@ class Backend:
                 return driver.notify(handle, note or b"")
             return driver.post(handle, batch, note)
 
-        transfer = Transfer(peer, descs, batches, notify, post, self._ended)
+        transfer = Transfer(peer, descs, batches, notify, post, self._ended, limit)
         with self._lock:  # nobody else holds it yet: it cannot end between the test and the add
             if transfer.poll() is Status.PENDING:
                 self._inflight.add(transfer)
@@ -371,7 +400,7 @@ class Backend:
         self._check_open("notifications")
         if not self.capabilities.notifications:
             raise CapabilityError(f"{self.name} does not deliver notifications")
-        deadline = time.monotonic() + seconds(timeout, "timeout") if timeout else None
+        deadline = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
         nap = 1e-4
         while True:
             try:
@@ -397,17 +426,14 @@ class Backend:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         first: XferError | None = self._end_transfers(self._inflight, "the backend was closed")
         steps = [lambda p=p: self.disconnect(p) for p in list(self._peers)]
         for step in (*steps, self.deregister, self._driver.close):
             try:
                 step()
             except Exception as exc:
-                error = exc if isinstance(exc, XferError) else self._wrap(exc, "closing")
-                if first is None:
-                    first = error
-                else:
-                    first.attach(error)
+                first = keep_first(first, self._wrap(exc, "closing"))
         if first is not None:
             raise first
 
@@ -418,22 +444,17 @@ class Backend:
         self.close()
 
     def _end_transfers(self, transfers: set[Transfer], why: str) -> XferError | None:
-        """Abort ``transfers`` and wait (bounded) until none can still touch memory."""
+        """Abort ``transfers``; return once none can touch memory (bounded by ``DRAIN_S``)."""
         with self._lock:
             ending = list(transfers)
+        limit = time.monotonic() + DRAIN_S
+        first: XferError | None = None
         for t in ending:
-            t.abort(why)
-        deadline = time.monotonic() + DRAIN_S
-        for t in ending:
-            while not t._drained():
-                if time.monotonic() >= deadline:
-                    return TransferError(
-                        f"{self.name}: a batch to {t.peer.name} was still running {DRAIN_S} s "
-                        f"after it was aborted ({why})",
-                        subject=t.peer.name,
-                    )
-                time.sleep(1e-3)
-        return None
+            try:
+                t.abort(why, timeout=max(limit - time.monotonic(), 0.0))
+            except XferError as exc:
+                first = keep_first(first, exc)
+        return first
 
     # -- guards ----------------------------------------------------------------
 
@@ -469,9 +490,8 @@ class Backend:
             ("source", d.src, local, "registered locally"),
             ("destination", d.dst, peer.manifest, f"advertised by peer {peer.name}"),
         ):
-            inside = manifest.locate(addrs, d.nbytes) >= 0
-            if not inside.all():
-                i = int(np.argmin(inside))
+            i = manifest.first_outside(addrs, d.nbytes)
+            if i >= 0:
                 near = manifest.nearest(int(addrs[i]))
                 hint = (
                     f"; nearest is {near.label} [{near.addr:#x}, +{near.nbytes})"
@@ -484,3 +504,10 @@ class Backend:
                     subject=i,
                 )
 
+
+def _abandoned(driver: Driver) -> None:
+    """A backend was garbage-collected unclosed: release its driver (best effort, logged)."""
+    try:
+        driver.close()
+    except Exception as exc:
+        log.warning("%s: closing the driver of an abandoned backend: %s", driver.name, exc)

@@ -20,7 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--src-tp", type=_positive, default=2)
     demo.add_argument("--dst-tp", type=_positive, default=4)
     demo.add_argument("--layers", type=_positive, default=8)
-    sub.add_parser("backends", help="list installed backends and whether they work here")
+    listing = sub.add_parser("backends", help="list installed backends and whether they work here")
+    listing.add_argument(
+        "--check",
+        action="store_true",
+        help="also import each usable driver and check its class (slower: imports the drivers)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -34,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "backends":
         from .plugins import backends
 
-        for b in backends():
+        for b in backends(check=args.check):
             state = "usable" if b.available else f"unusable: {b.reason}"
             print(f"{b.name:<12}{b.distribution} {b.version:<10}{state}")
         return 0

@@ -2,7 +2,8 @@
 
 The embedded default job: build a small hybrid model's buffers on every
 prefill and decode rank, plan each decode rank's sources, execute the
-descriptors with plain copies and check every byte against the reference.
+descriptors with plain copies and check every byte against the reference
+(``xferkit.testing.handoff``, the same check the test suite runs).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .planner import coverage
+from .descriptors import Descriptors
+from .testing.checks import handoff
 from .testing.models import gdn_hybrid
-from .testing.reference import Reference, RegionSpec, WriteCounter, execute
+from .testing.reference import Reference, RegionSpec, execute
 
 
 def hybrid_specs(layers: int = 8) -> list[RegionSpec]:
@@ -59,31 +61,24 @@ def run(
     )
     kv = f"{pages} KV pages (scattered)" if "kv" in request else "no KV (no attention layer)"
     out(f"request: {kv} and 1 state slot" if "state" in request else f"request: {kv}")
-    ok = True
-    for i, rank in enumerate(ref.dsts):
-        t = time.perf_counter()
-        cov = coverage(src_manifests, rank.manifest)
-        plan_ms = (time.perf_counter() - t) * 1e3
-        counter = WriteCounter([rank])
-        parts = []
-        for s in cov.sources:
-            descs = cov.plans[s].expand(request)
-            counter.record(descs)
-            execute(descs)
-            parts.append(f"from prefill rank {s}: {len(descs)} descriptors, {descs.total_bytes} B")
-        try:
-            ref.check(i, request)
-            verdict = "byte-exact"
-        except AssertionError as exc:
-            ok, verdict = False, f"MISMATCH: {exc}"
-        if counter.max > 1:
-            ok, writes = False, f"a byte was written {counter.max} times"
-        else:
-            writes = "no byte written twice"
-        needs = list(cov.sources)
-        out(f"decode rank {i}: needs prefill ranks {needs} (planned in {plan_ms:.1f} ms)")
-        for line in parts:
+    moved: dict[int, list[str]] = {i: [] for i in range(len(ref.dsts))}
+
+    def write(s: int, d: int, descs: Descriptors) -> None:
+        execute(descs)
+        moved[d].append(f"from prefill rank {s}: {len(descs)} descriptors, {descs.total_bytes} B")
+
+    t = time.perf_counter()
+    try:
+        counts = handoff(ref, request, write=write)
+    except AssertionError as exc:
+        out(f"handoff FAILED: {exc}")
+        return False
+    ms = (time.perf_counter() - t) * 1e3
+    for i, sources in counts.items():
+        out(f"decode rank {i}: needs prefill ranks {list(sources)}")
+        for line in moved[i]:
             out(f"    {line}")
-        out(f"    result: {verdict}; {writes}")
-    out("handoff " + ("verified" if ok else "FAILED"))
-    return ok
+        out("    result: byte-exact; no byte written twice")
+    out(f"planned, copied and checked in {ms:.1f} ms")
+    out("handoff verified")
+    return True

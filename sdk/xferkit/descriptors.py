@@ -1,9 +1,11 @@
-"""Byte copies, the unit every driver moves: three parallel uint64 arrays, sealed when a plan made them."""
+"""Byte copies, the unit every driver moves: three uint64 arrays, sealed when a plan made them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import contextlib
+import ctypes
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -17,15 +19,17 @@ class Descriptors:
     They stay in the process that made them (a driver reads the arrays), so
     this is a plain container rather than a wire struct.
 
-    Descriptors a ``Plan`` expanded are sealed: their arrays are read-only and
-    ``origin`` names the (source, destination) manifest pair they lie inside
-    by construction, so a backend that registered that source manifest,
-    writing to a peer that advertised that destination manifest, need not scan
-    their bounds again (on a heterogeneous NHD request the scan costs several
-    times the expansion). Replacing or unlocking an array breaks the seal.
+    Descriptors a ``Plan`` expanded are sealed: ``origin`` names the (source,
+    destination) manifest pair they lie inside by construction, so a backend
+    that registered that source manifest, writing to a peer that advertised
+    that destination manifest, need not scan their bounds again (on a
+    heterogeneous NHD request the scan costs several times the expansion).
+    Their arrays live in immutable ``bytes``: no flag, view or base reachable
+    from Python can make them writable, and replacing an array breaks the seal.
     """
 
     __slots__ = ("_seal", "dst", "nbytes", "src")
+    _FIELDS: ClassVar[tuple[str, str, str]]
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         self.src, self.dst, self.nbytes = src, dst, nbytes
@@ -42,20 +46,27 @@ class Descriptors:
             return None
         return src, dst
 
-    def _sealed(self, src: Manifest, dst: Manifest) -> Descriptors:
-        """Read-only views over read-only arrays, bound to the manifests they lie in."""
-        views = []
-        for a in (self.src, self.dst, self.nbytes):
-            root = a  # expand's arrays are its own temporaries: lock their memory's owner
-            while isinstance(root.base, np.ndarray):
-                root = root.base
-            root.setflags(write=False)
-            view = a.view()
-            view.setflags(write=False)
-            views.append(view)
-        out = Descriptors(*views)
-        out._seal = (src, dst, tuple(views))
+    @classmethod
+    def sealed(cls, count: int, src: Manifest, dst: Manifest) -> Descriptors:
+        """``count`` descriptors in immutable memory, bound to the manifests they lie in.
+
+        The maker fills them once, inside ``filling()``, before handing them out.
+        """
+        raws = tuple(_new_bytes(None, 8 * count) if count else b"" for _ in range(3))
+        arrays = tuple(np.frombuffer(raw, dtype=np.uint64) for raw in raws)
+        for a in arrays:
+            _hugepages(a.ctypes.data, a.nbytes)
+        out = cls(*arrays)
+        out._seal = (src, dst, arrays)
         return out
+
+    @contextlib.contextmanager
+    def filling(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Writable aliases of a freshly sealed set's arrays, for its maker only."""
+        aliases = tuple(_alias(a) for a in (self.src, self.dst, self.nbytes))
+        yield aliases  # type: ignore[misc]
+
+    _FIELDS = ("src", "dst", "nbytes")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptors):
@@ -93,3 +104,35 @@ class Descriptors:
             np.concatenate([p.dst for p in parts]),
             np.concatenate([p.nbytes for p in parts]),
         )
+
+
+def _alias(a: np.ndarray) -> np.ndarray:
+    """A writable array over the memory of ``a`` (which lives in a ``bytes`` object).
+
+    numpy refuses to make an array over ``bytes`` writable, whatever the caller
+    does with its flags or bases; the maker writes through this alias once,
+    before anything else can see the bytes (never a shared empty singleton:
+    an empty set has nothing to write).
+    """
+    if not a.size:
+        return np.empty(0, dtype=np.uint64)
+    return np.ctypeslib.as_array((ctypes.c_uint64 * a.size).from_address(a.ctypes.data))
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # uninitialised: filled by the maker
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+
+_MADV_HUGEPAGE = 14
+_madvise: Any = None
+with contextlib.suppress(OSError, AttributeError):  # not Linux: no advice, just more faults
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _hugepages(addr: int, size: int) -> None:
+    """Ask for huge pages before first touch, as numpy does for its large arrays (fewer faults)."""
+    page = 1 << 21
+    start = (addr + page - 1) & ~(page - 1)
+    if _madvise is not None and addr + size - start >= page:
+        _madvise(start, (addr + size - start) & ~(page - 1), _MADV_HUGEPAGE)

@@ -79,7 +79,14 @@ class Notification(msgspec.Struct, frozen=True):
 
 
 class Posted(ABC):
-    """A driver's handle on one posted batch (or notification)."""
+    """A driver's handle on one posted batch (or notification).
+
+    ``poll`` and ``block`` may run in several threads at once, and concurrently
+    with ``release`` (an engine thread waits while ``close`` aborts): guard
+    shared state. After ``release``, ``poll`` keeps answering without touching
+    freed engine handles, and reports PENDING only while the engine may still
+    read or write the batch's memory.
+    """
 
     @abstractmethod
     def poll(self) -> Status:
@@ -205,6 +212,7 @@ class BackendSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 # -- asynchronous posts for engines whose batch call blocks ----------------------------
 
+
 class QueuedBatch(Posted):
     """One batch waiting for, or run by, a ``BatchWorker``. Subclass to carry driver state.
 
@@ -304,6 +312,7 @@ def rdma_devices(root: str = INFINIBAND) -> dict[str, str]:
 
 __all__ = [
     "CONTRACT_VERSION",
+    "INFINIBAND",
     "AddressTable",
     "BackendSpec",
     "BatchWorker",

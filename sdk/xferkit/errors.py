@@ -33,6 +33,14 @@ class XferError(Exception):
         return f"{text} (then {len(self.followups)} later error(s) it caused: {later})"
 
 
+def keep_first(first: XferError | None, later: XferError) -> XferError:
+    """The error to report: ``first`` if there is one, with ``later`` attached to it."""
+    if first is None:
+        return later
+    first.attach(later)
+    return first
+
+
 class ManifestError(XferError):
     """A region or manifest that violates an invariant (duplicate key, overlap, ...)."""
 

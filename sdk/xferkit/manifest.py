@@ -9,8 +9,9 @@ computed from the same table: they cannot drift apart.
 from __future__ import annotations
 
 import math
+import numbers
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -38,10 +39,10 @@ def parse_device(device: str) -> tuple[str, int]:
 def key_label(key: RegionKey) -> str:
     """A short human name for a region key, e.g. ``state/conv[3]#1``."""
     pool, name, layer, part = key
-    return f"{pool}/{name}[{layer}]" + (f"#{part}" if part else "")
+    return f"{pool}/{name}[{layer}]" + ("" if type(part) is int and part == 0 else f"#{part}")
 
 
-class Region(msgspec.Struct, frozen=True, kw_only=True):
+class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """One contiguous memory region of shape ``[slots, *slot_shape]``.
 
     The first axis indexes slots of ``pool`` (the unit a request allocates).
@@ -50,6 +51,11 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
     sizes of independently sharded blocks along that axis (e.g. a conv state
     laid out ``[q | k | v]``); ``tp_global`` the global size of the axis when
     it is not ``local * tp_size`` (e.g. more TP ranks than KV heads).
+
+    Ownership: a region made by ``from_array`` holds the array (``owner``), so
+    its memory stays valid for as long as the region, and any manifest or
+    backend holding it, lives. A region built from a raw address is the
+    caller's promise that the memory outlives every use of it.
     """
 
     pool: str
@@ -64,6 +70,14 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
     tp_axis: int | None = None
     tp_groups: tuple[int, ...] | None = None
     tp_global: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+
+    @property
+    def owner(self) -> Any:
+        """The array this region was made from (kept alive by it), or None."""
+        return self.__dict__.get("_owner")
 
     @property
     def key(self) -> RegionKey:
@@ -110,18 +124,16 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
         """
         label = key_label((pool, name, layer, part))
         addr, shape, itemsize, contiguous, found_device = _describe(array, label)
+        subject = (pool, name, layer, part)
         if not contiguous:
             raise ManifestError(
                 f"region {label}: the array is not contiguous; register a contiguous "
                 "tensor (or its base) so that slots are evenly spaced",
-                subject=(pool, name, layer, part),
+                subject=subject,
             )
         if len(shape) < 1:
-            raise ManifestError(
-                f"region {label}: a 0-d array has no slot axis",
-                subject=(pool, name, layer, part),
-            )
-        return cls(
+            raise ManifestError(f"region {label}: a 0-d array has no slot axis", subject=subject)
+        region = cls(
             pool=pool,
             name=name,
             layer=layer,
@@ -132,13 +144,84 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
             itemsize=itemsize,
             device=device or found_device,
             tp_axis=tp_axis,
-            tp_groups=tuple(tp_groups) if tp_groups is not None else None,
+            tp_groups=_int_tuple(tp_groups, label, "tp_groups") if tp_groups is not None else None,
             tp_global=tp_global,
         )
+        region.__dict__["_owner"] = array  # not encoded: it only keeps the memory alive
+        return region
+
+
+def _int_tuple(value: Any, label: str, field: str) -> tuple[int, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ManifestError(f"region {label}: {field} must be a sequence of ints, not {value!r}")
+    return tuple(value)
+
+
+_STR_FIELDS = ("pool", "name", "device")
+_INT_FIELDS = ("layer", "part", "addr", "nbytes", "itemsize")
+_OPTIONAL_INT_FIELDS = ("tp_axis", "tp_global")
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer (numpy's too), else None; bools are not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _check_types(r: Region) -> None:
+    """Field types, checked when a Region is built (decoding checks them too): a ``layer="0"``
+    would otherwise pair with nothing and silently move nothing."""
+    label = f"{r.pool}/{r.name}[{r.layer}]"
+
+    def bad(field: str, want: str) -> ManifestError:
+        value = getattr(r, field)
+        return ManifestError(
+            f"region {label}: {field} must be {want}, not {type(value).__name__} {value!r}",
+            subject=label,
+        )
+
+    for field in _STR_FIELDS:
+        if type(getattr(r, field)) is not str:
+            raise bad(field, "a str")
+    for field in _INT_FIELDS:
+        value = _as_int(getattr(r, field))
+        if value is None:
+            raise bad(field, "an int")
+        msgspec.structs.force_setattr(r, field, value)
+    for field in _OPTIONAL_INT_FIELDS:
+        raw = getattr(r, field)
+        if raw is not None:
+            value = _as_int(raw)
+            if value is None:
+                raise bad(field, "an int or None")
+            msgspec.structs.force_setattr(r, field, value)
+    for field in ("slot_shape", "tp_groups"):
+        raw = getattr(r, field)
+        if raw is None and field == "tp_groups":
+            continue
+        if not isinstance(raw, tuple | list):
+            raise bad(field, "a tuple of ints")
+        values = tuple(_as_int(v) for v in raw)
+        if any(v is None for v in values):
+            raise bad(field, "a tuple of ints")
+        msgspec.structs.force_setattr(r, field, values)
 
 
 def _describe(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
-    """(address, shape, itemsize, C-contiguous, device) of a tensor-like object."""
+    """(address, shape, itemsize, C-contiguous, device) of a writable tensor-like object."""
+    try:
+        return _interface(array, label)
+    except ManifestError:
+        raise
+    except Exception as exc:  # a malformed interface dict, a shape that is not ints...
+        raise ManifestError(
+            f"region {label}: cannot describe {type(array).__name__}: {type(exc).__name__}: {exc}",
+            subject=label,
+        ) from exc
+
+
+def _interface(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
     if hasattr(array, "data_ptr") and hasattr(array, "element_size"):  # torch.Tensor
         return (
             int(array.data_ptr()),
@@ -151,14 +234,26 @@ def _describe(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, 
         face = getattr(array, attr, None)
         if face is None:
             continue
+        dtype = np.dtype(face["typestr"])
+        if dtype.hasobject:
+            raise ManifestError(
+                f"region {label}: dtype {dtype} holds Python object pointers; a transfer "
+                "would overwrite them",
+                subject=label,
+            )
+        ptr, readonly = face["data"]
+        if readonly:
+            raise ManifestError(
+                f"region {label}: the array is read-only; peers write into registered memory",
+                subject=label,
+            )
         shape = tuple(int(n) for n in face["shape"])
-        itemsize = np.dtype(face["typestr"]).itemsize
         strides = face.get("strides")
         contiguous = strides is None or all(
             n == 1 or s == c
-            for n, s, c in zip(shape, strides, _c_strides(shape, itemsize), strict=True)
+            for n, s, c in zip(shape, strides, _c_strides(shape, dtype.itemsize), strict=True)
         )
-        return int(face["data"][0] or 0), shape, itemsize, contiguous, device
+        return int(ptr or 0), shape, dtype.itemsize, contiguous, device
     raise ManifestError(
         f"region {label}: {type(array).__name__} is neither a torch tensor nor exposes "
         "__array_interface__ / __cuda_array_interface__",
@@ -172,6 +267,9 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
         out.append(step)
         step *= n
     return out[::-1]
+
+
+_ONE = np.uint64(1)
 
 
 class AddressTable:
@@ -191,20 +289,45 @@ class AddressTable:
     def __len__(self) -> int:
         return int(self.starts.size)
 
+    def _inside(
+        self, addrs: np.ndarray, nbytes: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(position in the sorted table, mask of ranges held whole by that entry).
+
+        A position of -1 (below every range) indexes the last entry: harmless, masked.
+        """
+        addrs = np.asarray(addrs, dtype=np.uint64)
+        where = self.starts.searchsorted(addrs, side="right")
+        where -= 1
+        if nbytes is None:
+            end = addrs
+        else:  # a zero-length range would wrap below its start: it lies in none
+            end = addrs + (np.asarray(nbytes, dtype=np.uint64) - _ONE)
+        inside = end <= self.last[where]
+        inside &= end >= addrs
+        inside &= where >= 0
+        return where, inside
+
     def locate(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> np.ndarray:
         """Index (into the ranges as given) of the range holding each ``[addr, addr+nbytes)``.
 
         -1 where none holds it whole, including a range that wraps past 2**64.
         """
-        addrs = np.asarray(addrs, dtype=np.uint64)
-        size = np.ones_like(addrs) if nbytes is None else np.asarray(nbytes, dtype=np.uint64)
         if not self.starts.size:
-            return np.full(addrs.shape, -1, dtype=np.int64)
-        where = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
-        clipped = np.maximum(where, 0)
-        end = addrs + (np.maximum(size, np.uint64(1)) - np.uint64(1))
-        inside = (where >= 0) & (end >= addrs) & (end <= self.last[clipped])
-        return np.where(inside, self.order[clipped], -1)
+            return np.full(np.shape(addrs), -1, dtype=np.int64)
+        where, inside = self._inside(addrs, nbytes)
+        out = self.order[where]
+        out[~inside] = -1
+        return out
+
+    def first_outside(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> int:
+        """Index of the first ``[addr, addr+nbytes)`` that no range holds whole, or -1."""
+        if not np.size(addrs):
+            return -1
+        if not self.starts.size:
+            return 0
+        _, inside = self._inside(addrs, nbytes)
+        return -1 if inside.all() else int(np.argmin(inside))
 
     def nearest(self, addr: int) -> int:
         """Index of the range starting at or below ``addr`` (else the lowest); -1 when empty."""
@@ -237,6 +360,16 @@ def _empty_reason(region: Region) -> str | None:
     return "0 bytes (no slots)"
 
 
+def _column(value: Callable[[Region], int], doc: str) -> cached_property[np.ndarray]:
+    """A read-only uint64 view with one entry per region, computed once from the table."""
+
+    def view(self: Manifest) -> np.ndarray:
+        return _frozen([value(r) for r in self.regions])
+
+    view.__doc__ = doc
+    return cached_property(view)
+
+
 class Manifest(msgspec.Struct, frozen=True, dict=True):
     """The regions one rank offers, with every per-region view derived from them.
 
@@ -256,9 +389,13 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
     @classmethod
     def build(cls, regions: Iterable[Region], *, tp_rank: int = 0, tp_size: int = 1) -> Manifest:
         """Drop empty regions (recording why), then validate everything else."""
+        if isinstance(regions, str | bytes | Region) or not isinstance(regions, Iterable):
+            raise ManifestError(f"Manifest.build takes an iterable of Regions, not {regions!r}")
         kept: list[Region] = []
         dropped: list[Dropped] = []
         for region in regions:
+            if not isinstance(region, Region):
+                raise ManifestError(f"Manifest.build takes Regions, not {region!r}")
             reason = _empty_reason(region)
             if reason is None:
                 kept.append(region)
@@ -278,27 +415,16 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
     def keys(self) -> tuple[RegionKey, ...]:
         return tuple(r.key for r in self.regions)
 
-    @cached_property
-    def addrs(self) -> np.ndarray:
-        return _frozen([r.addr for r in self.regions])
-
-    @cached_property
-    def nbytes(self) -> np.ndarray:
-        return _frozen([r.nbytes for r in self.regions])
-
-    @cached_property
-    def item_nbytes(self) -> np.ndarray:
-        """Bytes per slot of each region (what RDMA drivers call the item length)."""
-        return _frozen([r.slot_nbytes for r in self.regions])
-
-    @cached_property
-    def slots(self) -> np.ndarray:
-        return _frozen([r.slots for r in self.regions])
-
-    @cached_property
-    def tp_dims(self) -> np.ndarray:
-        """Local size of each region's sharded axis; 0 for a replicated region."""
-        return _frozen([0 if r.tp_axis is None else r.slot_shape[r.tp_axis] for r in self.regions])
+    addrs = _column(lambda r: r.addr, "Start address of each region.")
+    nbytes = _column(lambda r: r.nbytes, "Length of each region, in bytes.")
+    slot_nbytes = _column(
+        lambda r: r.slot_nbytes, "Bytes per slot of each region (RDMA drivers' item length)."
+    )
+    slots = _column(lambda r: r.slots, "Slot count of each region.")
+    tp_dims = _column(
+        lambda r: 0 if r.tp_axis is None else r.slot_shape[r.tp_axis],
+        "Local size of each region's sharded axis; 0 for a replicated region.",
+    )
 
     @cached_property
     def pools(self) -> Mapping[str, int]:
@@ -334,6 +460,10 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
         """
         return self.table.locate(addrs, nbytes)
 
+    def first_outside(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> int:
+        """Index of the first range no region holds whole, or -1: the bounds check."""
+        return self.table.first_outside(addrs, nbytes)
+
     def nearest(self, addr: int) -> Region | None:
         """The region starting at or below ``addr`` (else the lowest): for error messages."""
         i = self.table.nearest(addr)
@@ -351,6 +481,8 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
 
     @classmethod
     def decode(cls, data: bytes) -> Manifest:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ManifestError(f"a manifest is msgpack bytes, not {type(data).__name__}")
         try:
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
@@ -363,9 +495,23 @@ def _frozen(values: list[int]) -> np.ndarray:
     return out
 
 
+MAX_TP_SIZE = 4096
+"""Largest TP size a manifest may claim: planning costs grow with it, and a peer sends it."""
+
+
 def _validate(m: Manifest) -> None:
-    if m.tp_size < 1 or not 0 <= m.tp_rank < m.tp_size:
-        raise ManifestError(f"tp_rank {m.tp_rank} is not a rank of tp_size {m.tp_size}")
+    for field in ("tp_rank", "tp_size"):
+        value = _as_int(getattr(m, field))
+        if value is None:
+            raise ManifestError(f"{field} must be an int, not {getattr(m, field)!r}")
+        msgspec.structs.force_setattr(m, field, value)
+    if not isinstance(m.regions, tuple) or not all(isinstance(r, Region) for r in m.regions):
+        raise ManifestError("a Manifest's regions are a tuple of Regions; use Manifest.build")
+    if not 1 <= m.tp_size <= MAX_TP_SIZE or not 0 <= m.tp_rank < m.tp_size:
+        raise ManifestError(
+            f"tp_rank {m.tp_rank} is not a rank of tp_size {m.tp_size} "
+            f"(1 <= tp_size <= {MAX_TP_SIZE})"
+        )
     seen: dict[RegionKey, Region] = {}
     pool_slots: dict[str, Region] = {}
     for r in m.regions:

@@ -12,17 +12,17 @@ coalesces pieces contiguous on both sides, in numpy, with no per-slot loop.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
 
+from .descriptors import Descriptors
 from .errors import PlanError
 from .manifest import Manifest, Region, RegionKey, key_label
 from .sharding import AxisLayout, Segment, axis_layout
-from .descriptors import Descriptors
 
 
 class Pieces(NamedTuple):
@@ -104,15 +104,23 @@ class Plan:
         """Bytes this plan moves per slot of ``pool``."""
         return sum(len(g.keys) * int(g.pieces.nbytes.sum()) for g in self._groups if g.pool == pool)
 
-    def expand(self, slots: Mapping[str, tuple[object, object]]) -> Descriptors:
-        """Descriptors for a request: ``slots[pool] = (src_slot_indices, dst_slot_indices)``.
+    def expand(self, request: Mapping[str, tuple[object, object]]) -> Descriptors:
+        """Descriptors for a request: ``request[pool] = (src_slot_indices, dst_slot_indices)``.
 
-        Pools of the plan absent from ``slots`` are not transferred. Every input
+        Pools of the plan absent from ``request`` are not transferred. Every input
         is checked before anything is produced.
         """
-        requests = {pool: self._slot_runs(pool, pair) for pool, pair in slots.items()}
+        if not isinstance(request, Mapping):
+            raise PlanError(f"a request maps pool -> (src_slots, dst_slots), not {request!r}")
+        requests = {pool: self._slot_runs(pool, pair) for pool, pair in request.items()}
         parts = [_expand_group(g, *requests[g.pool]) for g in self._groups if g.pool in requests]
-        return Descriptors.concat([p for p in parts if len(p)])._sealed(*self._origin)
+        out = Descriptors.sealed(sum(count for count, _ in parts), *self._origin)
+        at = 0
+        with out.filling() as (s, d, n):
+            for count, fill in parts:
+                fill(s[at : at + count], d[at : at + count], n[at : at + count])
+                at += count
+        return out
 
     def _slot_runs(
         self, pool: str, pair: tuple[object, object]
@@ -170,30 +178,58 @@ def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray
     return arr.astype(np.uint64, copy=False)
 
 
-def _expand_group(g: _Group, src: np.ndarray, dst: np.ndarray, cont: np.ndarray) -> Descriptors:
-    n = src.size
+Fill = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+"""Writes a group's descriptors into (src, dst, nbytes) slices of the request's final arrays."""
+
+
+def _expand_group(
+    g: _Group, src: np.ndarray, dst: np.ndarray, cont: np.ndarray
+) -> tuple[int, Fill]:
+    """(descriptor count, filler): the final arrays are allocated once, sealed, then filled."""
+    n, regions = src.size, g.src_base.size
     if n == 0:
-        return Descriptors.empty()
+        return 0, lambda *out: None
     if g.whole:
         # Runs of consecutive slots become one descriptor per region.
         starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-        lengths = np.diff(np.append(starts, n)).astype(np.uint64)
-        s = g.src_base[:, None] + src[starts] * np.uint64(g.src_stride) + g.pieces.src[0]
-        d = g.dst_base[:, None] + dst[starts] * np.uint64(g.dst_stride) + g.pieces.dst[0]
-        ln = np.broadcast_to(lengths * np.uint64(g.src_stride), s.shape)
-        return Descriptors(s.ravel(), d.ravel(), ln.ravel())
+        lengths = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(g.src_stride)
+        s_off = src[starts] * np.uint64(g.src_stride) + g.pieces.src[0]
+        d_off = dst[starts] * np.uint64(g.dst_stride) + g.pieces.dst[0]
+
+        def fill_runs(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
+            shape = (regions, starts.size)
+            np.add(g.src_base[:, None], s_off[None, :], out=out_s.reshape(shape))
+            np.add(g.dst_base[:, None], d_off[None, :], out=out_d.reshape(shape))
+            out_n.reshape(shape)[:] = lengths[None, :]
+
+        return regions * starts.size, fill_runs
     # Offsets within a region first (n*P), then one pass adds each region's base.
-    s_off = (src * np.uint64(g.src_stride))[:, None] + g.pieces.src[None, :]
-    d_off = (dst * np.uint64(g.dst_stride))[:, None] + g.pieces.dst[None, :]
-    s = (g.src_base[:, None] + s_off.ravel()[None, :]).ravel()
-    d = (g.dst_base[:, None] + d_off.ravel()[None, :]).ravel()
-    ln = np.tile(g.pieces.nbytes, g.src_base.size * n)
+    pieces = g.pieces.src.size
+    s_off = ((src * np.uint64(g.src_stride))[:, None] + g.pieces.src[None, :]).ravel()
+    d_off = ((dst * np.uint64(g.dst_stride))[:, None] + g.pieces.dst[None, :]).ravel()
     if not (g.joins and cont.any()):
-        return Descriptors(s, d, ln)
+
+        def fill_pieces(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
+            shape = (regions, n * pieces)
+            np.add(g.src_base[:, None], s_off[None, :], out=out_s.reshape(shape))
+            np.add(g.dst_base[:, None], d_off[None, :], out=out_d.reshape(shape))
+            out_n.reshape(regions * n, pieces)[:] = g.pieces.nbytes[None, :]
+
+        return regions * n * pieces, fill_pieces
     # The last piece of slot i joins the first piece of slot i+1 where both advance by one.
-    start = np.ones((g.src_base.size, n, g.pieces.src.size), dtype=bool)
+    s = (g.src_base[:, None] + s_off[None, :]).ravel()
+    d = (g.dst_base[:, None] + d_off[None, :]).ravel()
+    ln = np.tile(g.pieces.nbytes, regions * n)
+    start = np.ones((regions, n, pieces), dtype=bool)
     start[:, 1:, 0] = ~cont
-    return _compress(s, d, ln, start.ravel())
+    idx = np.flatnonzero(start.ravel())
+
+    def fill_joined(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
+        np.take(s, idx, out=out_s)
+        np.take(d, idx, out=out_d)
+        np.add.reduceat(ln, idx, out=out_n)
+
+    return idx.size, fill_joined
 
 
 def _compress(
@@ -226,6 +262,9 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
     holds the layer at all (a missing region); otherwise it belongs to another
     pipeline stage and is skipped.
     """
+    for side, m in (("source", src), ("destination", dst)):
+        if not isinstance(m, Manifest):
+            raise PlanError(f"plan(src, dst): the {side} must be a Manifest, not {m!r}")
     _check_one_sided(src, dst, "source", "destination")
     _check_one_sided(dst, src, "destination", "source")
     buckets: dict[tuple, list[tuple[Region, Region]]] = {}
@@ -304,6 +343,10 @@ def _geometry(r: Region) -> _Geometry:
     return _Geometry(r.slot_shape, r.itemsize, r.tp_axis, r.tp_groups, r.tp_global)
 
 
+MAX_PIECES = 1 << 22
+"""Most byte pieces within one slot: the table is built in memory, from sizes a peer claims."""
+
+
 @lru_cache(maxsize=4096)
 def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int) -> Pieces | str:
     """Pieces within one slot that source rank s owes destination rank d, or why none can be."""
@@ -333,6 +376,12 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
     if problem:
         return problem
     runs = _owned_runs(la, s, lb.segments(d), d)
+    pieces = math.prod(a.slot_shape[:axis]) * len(runs)
+    if pieces > MAX_PIECES:
+        return (
+            f"one slot would need {pieces} pieces (more than {MAX_PIECES}): the sharded axis "
+            f"{axis} of slot_shape {a.slot_shape} lies under too many rows; shard an outer axis"
+        )
     return _runs_to_bytes(runs, a.slot_shape, axis, a.itemsize, b.slot_shape[axis])
 
 
@@ -428,6 +477,31 @@ class Coverage(NamedTuple):
     plans: dict[int, Plan]
 
 
+def _first_not_once(
+    starts: np.ndarray, nbytes: np.ndarray, size: int
+) -> tuple[int, int, int] | None:
+    """The first run of [0, size) not covered exactly once: (start, end, times), or None.
+
+    A sweep over the pieces' edges: it costs what the pieces cost, not the slot size.
+    """
+    pos = np.concatenate([starts, starts + nbytes, [0, size]])
+    delta = np.concatenate(
+        [np.ones(starts.size, np.int64), -np.ones(starts.size, np.int64), [0, 0]]
+    )
+    order = np.argsort(pos, kind="stable")
+    pos, delta = pos[order], delta[order]
+    edges, first = np.unique(pos, return_index=True)
+    level = np.cumsum(np.add.reduceat(delta, first))[:-1]  # over [edges[k], edges[k+1])
+    wrong = np.flatnonzero((level != 1) & (edges[:-1] < size))
+    if not wrong.size:
+        return None
+    k = int(wrong[0])
+    n = int(level[k])
+    change = np.flatnonzero(level[k:] != n)
+    end = int(edges[k + int(change[0])]) if change.size else size
+    return int(edges[k]), min(end, size), n
+
+
 def coverage(srcs: Sequence[Manifest], dst: Manifest) -> Coverage:
     """Plan every source for ``dst`` and prove each destination byte is written exactly once.
 
@@ -435,27 +509,25 @@ def coverage(srcs: Sequence[Manifest], dst: Manifest) -> Coverage:
     Raises ``PlanError`` naming the region and byte range that would be left
     unwritten or written twice.
     """
+    if (
+        not isinstance(srcs, Sequence)
+        or not all(isinstance(m, Manifest) for m in srcs)
+        or not isinstance(dst, Manifest)
+    ):
+        raise PlanError("coverage(srcs, dst) takes a sequence of source Manifests and one Manifest")
     plans = {i: plan(m, dst) for i, m in enumerate(srcs)}
     for r in dst.regions:
         size = r.slot_nbytes
-        count = np.zeros(size + 1, dtype=np.int64)
-        writers: list[int] = []
-        for i, p in plans.items():
-            pc = p.pieces(r.key)
-            if pc.src.size == 0:
-                continue
-            writers.append(i)
-            starts = pc.dst.astype(np.int64)
-            np.add.at(count, starts, 1)
-            np.add.at(count, starts + pc.nbytes.astype(np.int64), -1)
-        written = np.cumsum(count[:-1])
-        bad = np.flatnonzero(written != 1)
-        if bad.size:
-            first = int(bad[0])
-            n = int(written[first])
+        writers = [i for i, p in plans.items() if p.pieces(r.key).src.size]
+        tables = [plans[i].pieces(r.key) for i in writers]
+        bad = _first_not_once(
+            np.concatenate([t.dst for t in tables] or [_EMPTY]).astype(np.int64),
+            np.concatenate([t.nbytes for t in tables] or [_EMPTY]).astype(np.int64),
+            size,
+        )
+        if bad is not None:
+            first, end, n = bad
             what = "is written by no source" if n == 0 else f"is written {n} times"
-            change = np.flatnonzero(written[first:] != n)
-            end = first + int(change[0]) if change.size else size
             raise PlanError(
                 f"region {key_label(r.key)}: bytes [{first}, {end}) of each slot {what} "
                 f"(sources writing this region: {writers or 'none'})",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 from collections.abc import Callable
 from functools import cache
 from typing import Any, NamedTuple
@@ -187,11 +188,13 @@ def open_backend(name: str, **options: Any) -> Backend:
         )
     cls = _load(found)
     try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as exc:  # an unknown keyword, or a missing one
+        raise OptionError(f"backend {name!r}: bad options {sorted(options)}: {exc}") from exc
+    try:
         driver = cls(**options)
     except XferError:
         raise
-    except TypeError as exc:  # an unknown keyword, or a missing one
-        raise OptionError(f"backend {name!r}: bad options {sorted(options)}: {exc}") from exc
     except Exception as exc:
         raise PluginError(
             f"backend {name!r} failed to start: {type(exc).__name__}: {exc}", subject=name

@@ -31,7 +31,11 @@ Post = Callable[[Descriptors | None, bytes | None], Posted]
 class Transfer:
     """An asynchronous write: ``poll`` never blocks, ``wait`` does, ``error`` says why it failed.
 
-    Safe to poll from several threads. A terminal state (DONE, FAILED) is final.
+    Safe to poll from several threads. A terminal state is final and means what
+    it says: DONE, every byte landed; FAILED, no byte of it will land any more
+    and its source is no longer read (a failing write stays PENDING until the
+    driver reports every batch of it ended). A deadline (``timeout`` given to
+    ``Backend.write``) fails it when passed.
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class Transfer:
         notify: bytes | None,
         post: Post,
         on_end: Callable[[Transfer], None],
+        timeout: float | None = None,
     ) -> None:
         self.peer = peer
         self.descs = descs
@@ -53,7 +58,10 @@ class Transfer:
             self._waiting.append(None)  # the notification alone
         self._notify = notify
         self._posted: list[Posted] = []
+        self._released = 0  # posted[:released] were released
         self._status = Status.PENDING
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
         self._lock = threading.RLock()
         with self._lock:
             self._advance()
@@ -73,7 +81,10 @@ class Transfer:
         return self._status
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until done; raise the root-cause ``TransferError`` if it failed."""
+        """Block until terminal; raise the root-cause ``TransferError`` if it failed.
+
+        Past ``timeout`` it raises without ending the write (``abort`` does that).
+        """
         deadline = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
         while self.poll() is Status.PENDING:
             left = 0.01 if deadline is None else deadline - time.monotonic()
@@ -82,19 +93,38 @@ class Transfer:
                     f"write to peer {self.peer.name} still pending after {timeout} s",
                     subject=self.peer.name,
                 )
-            pending = next((p for p in list(self._posted) if p.poll() is Status.PENDING), None)
-            if pending is not None:
-                pending.block(min(left, 0.01))
+            self._block(min(left, 0.01))
         if self.error is not None:
             raise self.error
 
-    def abort(self, why: str = "aborted by the caller") -> None:
-        """End a pending write as FAILED: nothing more is posted, posted batches are released."""
+    def abort(self, why: str = "aborted by the caller", timeout: float = 10.0) -> None:
+        """End a pending write as FAILED; return once no byte of it can land any more.
+
+        Nothing more is posted and every posted batch is released (cancelled);
+        then this waits, at most ``timeout`` seconds, for the driver to report
+        each one ended. Raises ``TransferError`` if the driver has not by then
+        (the write stays PENDING until it has).
+        """
+        limit = time.monotonic() + seconds(timeout, "timeout")
         with self._lock:
-            if self._status is Status.PENDING:
+            if self._status is Status.PENDING and self.error is None:
                 self._fail(why)
+        while self.poll() is Status.PENDING:
+            left = limit - time.monotonic()
+            if left <= 0:
+                raise TransferError(
+                    f"write to peer {self.peer.name}: aborted, but a batch was still running "
+                    f"in the driver {timeout} s later",
+                    subject=self.peer.name,
+                )
+            self._block(min(left, 0.01))
 
     # -- progress --------------------------------------------------------------
+
+    def _block(self, timeout: float) -> None:
+        pending = next((p for p in list(self._posted) if p.poll() is Status.PENDING), None)
+        if pending is not None:
+            pending.block(timeout)
 
     def _post_next(self, batch: Descriptors | None, notify: bytes | None) -> None:
         try:
@@ -111,23 +141,30 @@ class Transfer:
     def _advance(self) -> None:
         if self._status is not Status.PENDING:
             return
+        if self.error is not None:  # failing: terminal once the driver let go of every batch
+            if all(p.poll() is not Status.PENDING for p in self._posted):
+                self._end(Status.FAILED)
+            return
         # All but the last batch go out at once; the last (with the notification) waits.
         while len(self._waiting) > 1:
             self._post_next(self._waiting.pop(0), None)
-            if self._status is Status.FAILED:
-                return
+            if self.error is not None:
+                return self._advance()
         states = [p.poll() for p in self._posted]
         for p, st in zip(self._posted, states, strict=True):
             if st is Status.FAILED:
                 self._fail(p.error)
-                return
+                return self._advance()
         if all(st is Status.DONE for st in states):
             if self._waiting:
                 self._post_next(self._waiting.pop(), self._notify)
-                if self._status is Status.PENDING:
-                    self._advance()
-                return
-            self._finish(Status.DONE)
+                return self._advance()
+            self._release_all()
+            self._end(Status.DONE)
+            return
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            self._fail(f"timed out: not done {self._timeout} s after it was posted")
+            self._advance()
 
     def _fail(
         self, text: str, cause: BaseException | None = None, later: XferError | None = None
@@ -144,11 +181,10 @@ class Transfer:
         if later is not None:
             self.error.attach(later)
         self._waiting.clear()
-        self._finish(Status.FAILED)
+        self._release_all()
 
-    def _finish(self, status: Status) -> None:
-        self._status = status
-        for p in self._posted:
+    def _release_all(self) -> None:
+        for p in self._posted[self._released :]:
             try:
                 p.release()
             except Exception as exc:
@@ -156,11 +192,11 @@ class Transfer:
                     self.error.attach(exc)
                 else:  # the data arrived; a driver handle may have leaked
                     log.warning("%s: releasing a completed batch failed: %s", self.peer.name, exc)
-        self._on_end(self)
+        self._released = len(self._posted)
 
-    def _drained(self) -> bool:
-        """True once no released batch of this transfer can still be running in the driver."""
-        return all(p.poll() is not Status.PENDING for p in self._posted)
+    def _end(self, status: Status) -> None:
+        self._status = status
+        self._on_end(self)
 
 
 def seconds(value: object, what: str) -> float:

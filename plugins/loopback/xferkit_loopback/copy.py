@@ -67,6 +67,29 @@ def write_remote(pid: int, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray)
     return 0, done
 
 
+_pvm_readv = _libc.process_vm_readv
+_pvm_readv.restype = ctypes.c_ssize_t
+_pvm_readv.argtypes = _pvm_writev.argtypes
+
+
+def read_remote(pid: int, addr: int) -> tuple[int, int]:
+    """(errno, value): one uint64 read from ``pid`` at ``addr`` with process_vm_readv."""
+    value = ctypes.c_uint64()
+    local = (ctypes.c_uint64 * 2)(ctypes.addressof(value), 8)
+    remote = (ctypes.c_uint64 * 2)(addr, 8)
+    got = _pvm_readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0)
+    if got != 8:
+        return (ctypes.get_errno() or errno.EFAULT), 0
+    return 0, value.value
+
+
+def start_time(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot): with the pid, names one process ever."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22 of the whole line
+
+
 def allow_writers() -> None:
     """Let other processes of this user write here (Yama ptrace_scope 1 refuses them otherwise)."""
     pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, 2**64 - 1

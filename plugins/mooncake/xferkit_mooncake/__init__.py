@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from collections.abc import Callable
 
-from xferkit import BackendSpec, hookimpl
+from xferkit.driver import BackendSpec, hookimpl
 
 __all__ = ["register_backends"]
 
@@ -40,9 +41,7 @@ def _probe() -> str | None:
 
 
 @hookimpl
-def register_backends(register) -> None:
+def register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(
-        BackendSpec(
-            name="mooncake", target="xferkit_mooncake.backend:MooncakeBackend", probe=_probe
-        )
+        BackendSpec(name="mooncake", target="xferkit_mooncake.backend:MooncakeDriver", probe=_probe)
     )

@@ -1,36 +1,42 @@
-"""The Mooncake backend: registration, peers, posting and notifications over one TransferEngine.
+"""The Mooncake driver: xferkit's driver primitives over one Mooncake TransferEngine.
 
-Each backend owns a private engine (its own segment ``host:port``), so what it
-registers never meets another backend's memory inside Mooncake. The core has
-already filtered empty regions and bounds-checked every descriptor; this
-module only speaks Mooncake.
+Each driver owns a private engine (its own segment ``host:port``), so what it
+registers never meets another driver's memory inside Mooncake. The core has
+already refused empty regions, unchecked descriptors, malformed endpoints and
+calls after ``close``; this module only speaks Mooncake.
+
+A registration after an endpoint was handed out starts a new engine: peers
+holding the old endpoint reach the old segment, which holds no memory any more
+and refuses their writes itself (Mooncake checks every write against what the
+receiving engine registered, as a NIC checks a remote key). The old engines
+stay up, empty, until ``close``, so that no later engine can take their ports.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import msgspec
+import numpy as np
 
-from xferkit import (
-    Backend,
+from xferkit import OptionError, ProtocolError, RegistrationError
+from xferkit.driver import (
     Capabilities,
-    CapabilityError,
     Descriptors,
+    Driver,
     Manifest,
-    Notification,
     Posted,
-    ProtocolError,
+    QueuedBatch,
     Region,
-    XferError,
+    rdma_devices,
 )
 
 from . import engine as _engine
-from .codes import code_name, explain
-from .lane import Job, Lane, decode_message
+from .codes import check, code_name, explain
+from .lane import Lane, Local, decode_message
+from .memory import Holdings, Runs
 
 log = logging.getLogger("xferkit.mooncake")
 
@@ -43,23 +49,26 @@ LANE_JOIN_S = 5.0
 
 
 class _Blob(msgspec.Struct, frozen=True):
-    segment: str  # host:rpc_port
+    segment: str  # host:rpc_port, the driver's address
     protocol: str
+    anchor: int  # an address the peer registered: the target of a notification sent alone
 
 
-class _PeerHandle(NamedTuple):
-    name: str
-    segment: str
-    anchor: int  # an address the peer registered: the target of a zero-length entry
+class _Link(NamedTuple):
+    anchor: int  # the peer's, from its endpoint
+    lane: Lane
 
 
-class MooncakeBackend(Backend):
+class MooncakeDriver(Driver):
     """Options: ``protocol`` ("rdma" or "tcp"; default rdma where an RDMA device exists),
     ``device`` (RDMA device names, comma-separated; empty = all), ``hostname`` (the address
-    peers reach this engine at), ``notifications`` (deliver them; default on) and
-    ``max_batch`` (entries per engine call, at most 1024)."""
+    peers reach this engine at), ``notifications`` (deliver them; default on),
+    ``max_batch`` (entries per engine call, 1..1024) and ``stall_timeout`` (seconds without
+    progress before the TCP transport drops a transfer, 1..3600; default 5, or
+    ``MC_TCP_PROGRESS_TIMEOUT_SEC`` as exported; process-wide, see ``engine.configure``)."""
 
-    name = "mooncake"
+    name: ClassVar[str] = "mooncake"
+    Blob: ClassVar[type[msgspec.Struct]] = _Blob
 
     def __init__(
         self,
@@ -69,140 +78,166 @@ class MooncakeBackend(Backend):
         hostname: str = "127.0.0.1",
         notifications: bool = True,
         max_batch: int = MAX_BATCH,
+        stall_timeout: int | None = None,
     ) -> None:
-        super().__init__()
+        stall = _engine.default_stall_timeout() if stall_timeout is None else stall_timeout
+        for option, value, kind in (
+            ("device", device, str),
+            ("hostname", hostname, str),
+            ("notifications", notifications, bool),
+            ("max_batch", max_batch, int),
+            ("stall_timeout", stall, int),
+        ):
+            if type(value) is not kind:
+                raise OptionError(f"mooncake: {option} must be a {kind.__name__}, not {value!r}")
+        if not hostname:
+            raise OptionError("mooncake: hostname must name the address peers reach this engine at")
         if not 1 <= max_batch <= MAX_BATCH:
-            raise CapabilityError(f"mooncake: max_batch must be within 1..{MAX_BATCH}")
+            raise OptionError(f"mooncake: max_batch must be within 1..{MAX_BATCH}, not {max_batch}")
+        if not 1 <= stall <= 3600:
+            raise OptionError(f"mooncake: stall_timeout must be within 1..3600 s, not {stall}")
         self.capabilities = Capabilities(
             memory=frozenset({"cpu"}),
             notifications=notifications,
             cross_process=True,
             max_batch=max_batch,
         )
-        self.protocol = _engine.pick_protocol(protocol)
-        self._engine, self.segment = _engine.start(hostname, self.protocol, device)
-        self.peer_name = f"mooncake:{self.segment}"
-        self._registered: dict[int, int] = {}  # addr -> nbytes, what this backend holds
-        self._lanes: dict[str, Lane] = {}  # by peer segment
-        self._retired: list[Lane] = []  # stopped on disconnect, joined on close
-        self._lock = threading.Lock()
-        log.debug("mooncake: engine started, segment %s", self.segment)
+        self.protocol = _engine.pick_protocol(protocol, rdma_devices())
+        self.stall_timeout = stall
+        self._start = (hostname, self.protocol, device)
+        _engine.configure(stall)
+        engine, self.address = _engine.start(*self._start)
+        self._local = Local(engine, self.address)  # shared with every lane
+        self._retired: list[Local] = []  # engines whose endpoints went stale; stopped on close
+        self._published = False  # an endpoint of the current engine was handed out
+        self._holdings = Holdings()
+        self._lanes: list[Lane] = []  # every lane not yet seen finished; joined on close
+        log.debug("mooncake: engine started, segment %s", self.address)
 
     def __repr__(self) -> str:
-        return f"MooncakeBackend({self.segment!r}, {self.protocol})"
+        return f"MooncakeDriver({self.address!r}, {self.protocol})"
 
-    # -- registration --------------------------------------------------------
+    @property
+    def engine(self) -> Any:
+        """The current TransferEngine (settable: a test or benchmark may wrap it)."""
+        return self._local.engine
 
-    def _register_batch(self, regions: Sequence[Region]) -> Sequence[BaseException | None]:
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        self._local.engine = engine
+
+    # -- memory ----------------------------------------------------------------
+
+    def register_regions(self, regions: Sequence[Region]) -> Sequence[BaseException | None]:
+        if self._published:
+            self._renew()
         if not regions:
             return []
-        addrs, sizes = [r.addr for r in regions], [r.nbytes for r in regions]
-        rc = self._engine.batch_register_memory(addrs, sizes)
+        runs = Runs(regions)
+        rc = self.engine.batch_register_memory(runs.starts, runs.lengths)
         if rc == 0:
-            self._registered.update(zip(addrs, sizes, strict=True))
+            self._holdings.add(runs, regions)
             return [None] * len(regions)
-        # One code for the whole batch. Mooncake checks every entry for zero length
-        # and overlap before registering any, so after -1 or -7 nothing is held; a
-        # later failure (inside a transport) may have left some entries registered,
-        # so those are released first. Then registering one by one names the culprit,
-        # and the core rolls back the ones before it.
+        # One code for the whole batch. Mooncake checks every entry for zero length and
+        # overlap before registering any, so after -1 or -7 nothing is held; a later failure
+        # (inside a transport) may have left some registered, so those are released first.
+        # Then registering one by one names the culprit; the core rolls back the ones before.
         if rc not in (-1, -7):
-            for addr in addrs:
-                if addr not in self._registered:
-                    self._engine.unregister_memory(addr)  # -3 when it was not held: fine
-        results: list[BaseException | None] = []
-        for i, (addr, size) in enumerate(zip(addrs, sizes, strict=True)):
-            alone = self._engine.register_memory(addr, size)
-            if alone != 0:
-                results.append(
-                    RuntimeError(
-                        f"Mooncake batch_register_memory of {len(regions)} regions returned "
-                        f"{code_name(rc)}; registered one by one, entry "
-                        f"#{i + 1} [{addr:#x}, +{size}) returned "
-                        f"{explain(alone, registering=True)}"
-                    )
-                )
-                return results
-            self._registered[addr] = size
-            results.append(None)
-        log.warning(
-            "mooncake: batch_register_memory returned %s, but every region registered alone",
-            explain(rc, registering=True),
+            for start in runs.starts:
+                self.engine.unregister_memory(start)  # -3 when it was not held: fine
+        results = list(super().register_regions(regions))
+        if results[-1] is None:
+            log.warning(
+                "mooncake: batch_register_memory returned %s, but every region registered alone",
+                explain(rc, registering=True),
+            )
+            return results
+        alone = results[-1]
+        results[-1] = RegistrationError(
+            f"Mooncake batch_register_memory of {len(regions)} regions returned {code_name(rc)}; "
+            f"registered one by one, entry #{len(results)}: {alone}"
         )
+        results[-1].__cause__ = alone
         return results
 
-    def _register_region(self, region: Region) -> None:
-        rc = self._engine.register_memory(region.addr, region.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake register_memory returned {explain(rc, registering=True)}")
-        self._registered[region.addr] = region.nbytes
+    def register_region(self, region: Region) -> None:
+        rc = self.engine.register_memory(region.addr, region.nbytes)
+        check(rc, f"register_memory [{region.addr:#x}, +{region.nbytes})", registering=True)
+        self._holdings.add_one(region)
 
-    def _deregister_region(self, region: Region) -> None:
-        rc = self._engine.unregister_memory(region.addr)
-        self._registered.pop(region.addr, None)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake unregister_memory returned {explain(rc)}")
+    def deregister_region(self, region: Region) -> None:
+        start = self._holdings.remove(region)
+        if start is not None:  # the last region of that engine buffer
+            check(self.engine.unregister_memory(start), f"unregister_memory {start:#x}")
 
-    # -- peers ---------------------------------------------------------------
+    def _renew(self) -> None:
+        """Retire the engine whose endpoint peers may hold: its segment refuses them from now."""
+        old = Local(self.engine, self.address)
+        for start in self._holdings.starts():  # left over by a failed deregistration
+            old.engine.unregister_memory(start)
+        self._holdings.clear()
+        engine, self.address = _engine.start(*self._start)
+        self._retired.append(old)
+        self._local.engine, self._local.segment = engine, self.address
+        self._published = False
+        log.info("mooncake: registering again as segment %s (retired %s)", self.address, old.segment)
 
-    def _endpoint(self) -> bytes:
-        return msgspec.msgpack.encode(_Blob(self.segment, self.protocol))
+    # -- peers -----------------------------------------------------------------
 
-    def _connect(self, blob: bytes, manifest: Manifest) -> tuple[str, Any]:
-        try:
-            b = msgspec.msgpack.decode(blob, type=_Blob)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"mooncake: malformed endpoint: {exc}") from exc
-        if b.protocol != self.protocol:
+    def endpoint(self) -> _Blob:
+        self._published = True
+        return _Blob(self.address, self.protocol, self._holdings.anchor())
+
+    def connect(self, blob: Any, manifest: Manifest) -> _Link:
+        if blob.protocol != self.protocol:
             raise ProtocolError(
-                f"mooncake: peer {b.segment} speaks {b.protocol}, this backend {self.protocol}; "
-                f"open both with the same protocol option"
+                f"mooncake: peer {blob.segment} speaks {blob.protocol}, this driver "
+                f"{self.protocol}; open both with the same protocol option"
             )
-        anchor = manifest.regions[0].addr if manifest.regions else 0
-        handle = _PeerHandle(f"mooncake:{b.segment}", b.segment, anchor)
-        with self._lock:
-            lane = self._lanes.get(b.segment)
-            if lane is None:
-                lane = self._lanes[b.segment] = Lane(self._engine, b.segment, self.peer_name)
-            lane.users += 1
-        return handle.name, handle
+        lane = Lane(self._local, blob.segment)
+        self._lanes = [old for old in self._lanes if old.alive] + [lane]
+        return _Link(blob.anchor, lane)
 
-    def _disconnect(self, handle: _PeerHandle) -> None:
-        with self._lock:
-            lane = self._lanes.get(handle.segment)
-            if lane is None:
-                return
-            lane.users -= 1
-            if lane.users == 0:
-                del self._lanes[handle.segment]
-                lane.stop()  # batches already queued still run
-                self._retired = [old for old in self._retired if old.running] + [lane]
+    def disconnect(self, link: _Link) -> None:
+        link.lane.stop()  # the core ended this link's transfers; the thread drains its queue
 
-    # -- posting ---------------------------------------------------------------
+    # -- transfers -------------------------------------------------------------
 
-    def _post(self, handle: _PeerHandle, descs: Descriptors, notify: bytes | None) -> Posted:
-        lane = self._lanes.get(handle.segment)
-        if lane is None:
-            raise XferError(f"mooncake: peer {handle.name} is disconnected")
-        local = self._manifest.regions[0].addr if self._manifest and self._manifest.regions else 0
-        job = Job(descs, notify, (local, handle.anchor))
-        lane.post(job)
+    def post(self, link: _Link, descs: Descriptors, notify: bytes | None) -> Posted:
+        job = QueuedBatch(descs, notify)
+        link.lane.post(job)
         return job
 
-    def _notifications(self) -> list[Notification]:
-        self._check_open()  # the engine is gone after close()
-        return [Notification(n.name, decode_message(n.msg)) for n in self._engine.get_notifies()]
+    def notify(self, link: _Link, message: bytes) -> Posted:
+        # The engine refuses an empty batch (-1) and reads entries[0] for the notification's
+        # target: one zero-length entry between registered addresses moves nothing but carries it.
+        entry = Descriptors(
+            np.array([self._holdings.anchor()], np.uint64),
+            np.array([link.anchor], np.uint64),
+            np.zeros(1, np.uint64),
+        )
+        return self.post(link, entry, message)
 
-    def _close(self) -> None:
-        with self._lock:
-            active, self._lanes = list(self._lanes.values()), {}
-            lanes, self._retired = active + self._retired, []
-        for lane in active:
-            lane.stop()
-        stuck = [lane.segment for lane in lanes if not lane.join(LANE_JOIN_S)]
+    def notifications(self) -> list[tuple[str, bytes]]:
+        # Retired engines too: a notification sent alone moves no byte, so a peer holding an
+        # old endpoint may still deliver one there.
+        return [
+            (n.name, decode_message(n.msg))
+            for local in (*self._retired, self._local)
+            for n in local.engine.get_notifies()
+        ]
+
+    def close(self) -> None:
+        for lane in self._lanes:
+            lane.stop()  # the core disconnected every peer already; stopping twice is harmless
+        stuck = [lane.segment for lane in self._lanes if not lane.join(LANE_JOIN_S)]
+        engines = [*self._retired, Local(self.engine, self.address)]
         if stuck:
-            # Their threads keep the engine alive until their batches end.
+            # Their threads hold the engine in use until their batches end.
             log.warning("mooncake: closing with batches still running towards %s", stuck)
         else:
-            _engine.stop(self._engine, self.segment)
-        self._engine = None  # the last reference: the engine is destroyed here
+            for local in engines:
+                _engine.stop(local.engine, local.segment)
+        self._retired.clear()
+        self._lanes.clear()
+        self._local.engine = None  # the last references: the engines are destroyed here

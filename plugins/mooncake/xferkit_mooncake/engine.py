@@ -12,53 +12,93 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Mapping
 
 from mooncake.engine import TransferEngine
 
-from xferkit import CapabilityError, PluginError
+from xferkit import OptionError
+from xferkit.driver import INFINIBAND
 
-from .codes import explain
+from .codes import check
 
 log = logging.getLogger("xferkit.mooncake")
 
 PROTOCOLS = ("rdma", "tcp")
-INFINIBAND = "/sys/class/infiniband"
+
+STALL_TIMEOUT_S = 5
+"""Default seconds without progress after which the TCP transport drops a transfer."""
+ABANDON_AFTER_S = 86_400
+"""What ``MC_TRANSFER_TIMEOUT`` is set to: the Python binding's own give-up, kept out of play.
+
+When it fires, ``batch_transfer_sync*`` returns -1 and frees the batch while its
+slices may still be moving bytes: a failure that is not one. Liveness comes from
+the transport instead (TCP: ``stall_timeout``), whose failure means the slice ended."""
+
+_PROGRESS = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+_ABANDON = "MC_TRANSFER_TIMEOUT"
+_USER_STALL = os.environ.get(_PROGRESS)  # as the user set it, before any driver did
 
 
-def rdma_devices() -> list[str]:
-    """The RDMA devices the kernel exposes (empty without a NIC or its driver)."""
-    try:
-        return sorted(os.listdir(INFINIBAND))
-    except OSError:
-        return []
+def default_stall_timeout() -> int:
+    """``MC_TCP_PROGRESS_TIMEOUT_SEC`` as the user exported it, else ``STALL_TIMEOUT_S``."""
+    if _USER_STALL is not None and _USER_STALL.isdigit() and 1 <= int(_USER_STALL) <= 3600:
+        return int(_USER_STALL)
+    return STALL_TIMEOUT_S
 
 
-def pick_protocol(protocol: str | None) -> str:
-    """``protocol`` if given, else rdma where a device exists and tcp elsewhere; logged."""
+def configure(stall_timeout: int) -> None:
+    """Set the engine's timeouts, which it reads from the process environment.
+
+    The TCP transport reads ``MC_TCP_PROGRESS_TIMEOUT_SEC`` for every transfer it
+    starts, so the value is process-wide: the last driver opened sets it for all.
+    A variable is written only when it changes (``setenv`` racing the engine's
+    ``getenv`` on another thread is unsafe when it grows the environment).
+    """
+    previous = os.environ.get(_PROGRESS)
+    if previous != str(stall_timeout):
+        if previous is not None and previous != _USER_STALL:
+            log.info(
+                "mooncake: stall_timeout %s s replaces %s s for every Mooncake engine in this "
+                "process (MC_TCP_PROGRESS_TIMEOUT_SEC is process-wide)",
+                stall_timeout,
+                previous,
+            )
+        os.environ[_PROGRESS] = str(stall_timeout)
+    if os.environ.get(_ABANDON) != str(ABANDON_AFTER_S):
+        if os.environ.get(_ABANDON) is not None:
+            log.warning(
+                "mooncake: MC_TRANSFER_TIMEOUT=%s overridden to %s: the binding's timeout "
+                "abandons batches still in flight",
+                os.environ[_ABANDON],
+                ABANDON_AFTER_S,
+            )
+        os.environ[_ABANDON] = str(ABANDON_AFTER_S)  # read by each TransferEngine() built
+
+
+def pick_protocol(protocol: str | None, devices: Mapping[str, str]) -> str:
+    """``protocol`` if given, else rdma where an RDMA device exists and tcp elsewhere; logged.
+
+    ``devices`` is what ``xferkit.driver.rdma_devices()`` found.
+    """
     if protocol is not None:
         if protocol not in PROTOCOLS:
-            raise CapabilityError(
-                f"mooncake: protocol {protocol!r} is not supported; use one of {PROTOCOLS}"
-            )
+            raise OptionError(f"mooncake: protocol {protocol!r} is not one of {PROTOCOLS}")
         log.info("mooncake: protocol %s (requested)", protocol)
         return protocol
-    devices = rdma_devices()
     if devices:
-        log.info("mooncake: protocol rdma (RDMA devices in %s: %s)", INFINIBAND, devices)
+        log.info("mooncake: protocol rdma (RDMA devices: %s)", sorted(devices))
         return "rdma"
     log.info("mooncake: protocol tcp (no RDMA device in %s)", INFINIBAND)
     return "tcp"
 
 
 def start(hostname: str, protocol: str, device: str) -> tuple[TransferEngine, str]:
-    """A started engine and its segment name."""
+    """A started engine and its segment name, ``host:rpc_port``."""
     engine = TransferEngine()
-    rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device)
-    if rc != 0:
-        raise PluginError(
-            f"mooncake: TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "
-            f"{device!r}) returned {explain(rc)}; the engine's log on stderr says why"
-        )
+    check(
+        engine.initialize(hostname, "P2PHANDSHAKE", protocol, device),
+        f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r})",
+    )
     return engine, f"{hostname}:{engine.get_rpc_port()}"
 
 

@@ -7,13 +7,18 @@ call (which releases the GIL) and the caller only ever reads a flag. One
 worker per peer keeps at most one batch (<= 1024 entries) in flight towards
 it, under the TCP transport's per-peer queue limit, and a slow or dead peer
 never delays the others.
+
+A batch inside the engine cannot be cancelled: the binding offers no abort, and
+freeing a batch in flight leaves its slices moving bytes. So a released batch
+stays PENDING until the engine returns, which the transport's stall timeout
+bounds (``stall_timeout``); only then may the core call the write FAILED.
 """
 
 from __future__ import annotations
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
-from xferkit import BatchWorker, Descriptors, QueuedBatch
+from xferkit.driver import BatchWorker, QueuedBatch
 
 from .codes import explain, explain_transfer
 
@@ -31,70 +36,59 @@ def decode_message(text: str) -> bytes:
         return text.encode("utf-8")
 
 
-class Job(QueuedBatch):
-    """One posted batch, with a registered (local, remote) address pair for notify-only posts."""
+class Local:
+    """The driver's current engine and segment, read by every lane for each batch.
 
-    __slots__ = ("anchor",)
+    A registration after an endpoint was handed out gets a new engine (a new
+    segment, see ``MooncakeDriver.register_regions``); lanes opened before it
+    send through the new one from their next batch on. ``engine`` is None once
+    the driver closed.
+    """
 
-    def __init__(self, descs: Descriptors, notify: bytes | None, anchor: tuple[int, int]) -> None:
-        super().__init__(descs, notify)
-        self.anchor = anchor
+    __slots__ = ("engine", "segment")
+
+    def __init__(self, engine: TransferEngine | None, segment: str) -> None:
+        self.engine, self.segment = engine, segment
 
 
-class Lane:
-    """The worker for one peer segment."""
+class Lane(BatchWorker[QueuedBatch]):
+    """The worker for one connection to a peer segment.
 
-    def __init__(self, engine: TransferEngine, segment: str, sender: str) -> None:
-        self.segment, self.sender = segment, sender
-        self.users = 0  # connected Peer handles using this lane
-        # The worker's closure holds the engine: it outlives a batch in flight.
-        self._worker = BatchWorker(
-            lambda job: self._execute(engine, job), name=f"xferkit-mooncake-{segment}"
+    A running batch holds its engine in a local variable: the engine outlives it.
+    """
+
+    def __init__(self, local: Local, segment: str) -> None:
+        self.segment = segment
+        super().__init__(
+            lambda job: _execute(local, segment, job), name=f"xferkit-mooncake-{segment}"
         )
 
-    def post(self, job: Job) -> None:
-        self._worker.post(job)
 
-    def stop(self) -> None:
-        """Finish the batches already queued, then end the thread."""
-        self._worker.stop()
-
-    def join(self, timeout: float) -> bool:
-        return self._worker.join(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._worker.alive
-
-    def _execute(self, engine: TransferEngine, job: Job) -> str | None:
-        d = job.descs
-        src, dst, nbytes = d.src.tolist(), d.dst.tolist(), d.nbytes.tolist()
-        if job.notify is None:
-            if not src:
-                return None
-            call = "batch_transfer_sync_write"
-            rc = engine.batch_transfer_sync_write(self.segment, src, dst, nbytes)
-        else:
-            if not src:
-                # The engine refuses an empty batch (-1) and reads entries[0] for the
-                # notification's target: a zero-length entry moves nothing but carries it.
-                src, dst, nbytes = [job.anchor[0]], [job.anchor[1]], [0]
-            call = "batch_transfer_sync with TransferNotify"
-            note = TransferNotify(self.sender, encode_message(job.notify))
-            rc = engine.batch_transfer_sync(
-                self.segment, src, dst, nbytes, TransferOpcode.Write, note
-            )
-        if rc == 0:
-            return None
-        text = (
-            f"Mooncake {call} of {len(d)} descriptor(s), {d.total_bytes} bytes, to segment "
-            f"{self.segment} returned {explain_transfer(rc)}; "
+def _execute(local: Local, segment: str, job: QueuedBatch) -> str | None:
+    d = job.descs
+    assert d is not None  # the driver sends a notification alone as a zero-length entry
+    engine, sender = local.engine, local.segment
+    if engine is None:
+        return "the Mooncake driver was closed before this batch ran"
+    src, dst, nbytes = d.src.tolist(), d.dst.tolist(), d.nbytes.tolist()
+    if job.notify is None:
+        call = "batch_transfer_sync_write"
+        rc = engine.batch_transfer_sync_write(segment, src, dst, nbytes)
+    else:
+        call = "batch_transfer_sync with TransferNotify"
+        note = TransferNotify(sender, encode_message(job.notify))
+        rc = engine.batch_transfer_sync(segment, src, dst, nbytes, TransferOpcode.Write, note)
+    if rc == 0:
+        return None
+    text = (
+        f"Mooncake {call} of {len(d)} descriptor(s), {d.total_bytes} bytes, to segment "
+        f"{segment} returned {explain_transfer(rc)}; "
+    )
+    probe = engine.send_probe(segment)
+    if probe == 0:
+        return text + (
+            "the peer answers send_probe, so it refused the write (a destination outside the "
+            "memory that segment holds now: deregistered, or registered again under a new "
+            "segment) or the transfer stalled; the engine's log on stderr has the details"
         )
-        probe = engine.send_probe(self.segment)
-        if probe == 0:
-            return text + (
-                "the peer answers send_probe, so it refused the write (a destination outside "
-                "the memory it registers now) or the transfer timed out; the engine's log on "
-                "stderr has the details"
-            )
-        return text + f"send_probe to it returned {explain(probe)}: the peer is gone or unreachable"
+    return text + f"send_probe to it returned {explain(probe)}: the peer is gone or unreachable"

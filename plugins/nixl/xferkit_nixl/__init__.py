@@ -1,4 +1,4 @@
-"""The NIXL driver: NVIDIA NIXL agents (UCX by default) behind the xferkit backend contract.
+"""The NIXL driver: NVIDIA NIXL agents (UCX by default) behind xferkit's driver contract.
 
 This module is the plugin entry point, so it stays light: the probe finds NIXL
 with ``importlib.util.find_spec`` without importing it, and the backend is
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 
-from xferkit import BackendSpec, hookimpl
+from xferkit.driver import BackendSpec, hookimpl
 
 __all__ = ["INSTALL", "register_backends"]
 
@@ -37,5 +38,5 @@ def _probe() -> str | None:
 
 
 @hookimpl
-def register_backends(register) -> None:
-    register(BackendSpec(name="nixl", target="xferkit_nixl.backend:NixlBackend", probe=_probe))
+def register_backends(register: Callable[[BackendSpec], None]) -> None:
+    register(BackendSpec(name="nixl", target="xferkit_nixl.backend:NixlDriver", probe=_probe))

@@ -1,11 +1,15 @@
-"""Importing NIXL: the module that holds it, its logger sent to stderr, its errors as text."""
+"""Importing NIXL: the module that holds it, its logger on stderr, its agents, its errors."""
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from functools import cache
 from types import ModuleType
+from typing import Any
+
+from xferkit import CapabilityError, ProtocolError, TransferError, XferError
 
 
 class _Stderr:
@@ -34,7 +38,7 @@ def load() -> tuple[ModuleType, ModuleType]:
         from nixl import _bindings as bindings
     except ImportError:
         from nixl_cu12 import _api as api  # type: ignore[no-redef]
-        from nixl_cu12 import _bindings as bindings  # type: ignore[no-redef]
+        from nixl_cu12 import _bindings as bindings  # type: ignore[no-redef,attr-defined]
     _logs_to_stderr()
     return api, bindings
 
@@ -42,3 +46,53 @@ def load() -> tuple[ModuleType, ModuleType]:
 def describe(exc: BaseException) -> str:
     """NIXL's own text for an error: its type names the status (``nixlNotFoundError: ...``)."""
     return f"{type(exc).__name__}: {exc}"
+
+
+ERRORS: dict[str, tuple[type[XferError], str]] = {
+    "nixlNotFoundError": (TransferError, "NIXL knows no such memory or agent (now)"),
+    "nixlRemoteDisconnectError": (
+        TransferError,
+        "the peer agent is unreachable: closed, dead, or its UCX endpoint failed",
+    ),
+    "nixlBackendError": (TransferError, "the NIXL backend failed; NIXL's log on stderr says why"),
+    "nixlInvalidParamError": (TransferError, "NIXL refused an argument"),
+    "nixlCancelledError": (TransferError, "cancelled"),
+    "nixlNotAllowedError": (ProtocolError, "NIXL does not allow it in this state"),
+    "nixlMismatchError": (ProtocolError, "the two agents' NIXL configurations do not match"),
+    "nixlNotSupportedError": (CapabilityError, "the configured NIXL backends do not support it"),
+}
+"""NIXL's exceptions (one type per status, no common base) as xferkit errors, with a hint."""
+
+
+def error(what: str, exc: BaseException, subject: str | None = None) -> XferError:
+    """``exc``, raised by NIXL during ``what``, as the xferkit error ``ERRORS`` names."""
+    cls, hint = ERRORS.get(type(exc).__name__, (TransferError, ""))
+    out = cls(f"{what} raised {describe(exc)}" + (f" ({hint})" if hint else ""), subject=subject)
+    out.__cause__ = exc
+    return out
+
+
+_agent_lock = threading.Lock()
+
+
+def new_agent(api: ModuleType, bindings: ModuleType, name: str, config: Any, delay_us: int) -> Any:
+    """``nixl_agent(name, config)`` with the progress thread's poll delay set to ``delay_us``.
+
+    ``nixl_agent.__init__`` builds the C++ agent config itself and pins its
+    ``pthrDelay`` to 0 (a busy spin); the one way in is the bindings' agent
+    constructor, wrapped for the duration of this call.
+    """
+    real = bindings.nixlAgent
+    if not delay_us or getattr(api, "nixlBind", None) is not bindings:
+        return api.nixl_agent(name, config)
+
+    def make(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = delay_us
+        return real(agent_name, agent_config)
+
+    with _agent_lock:
+        bindings.nixlAgent = make
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgent = real

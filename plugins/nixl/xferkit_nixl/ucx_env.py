@@ -31,27 +31,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from pathlib import Path
+
+from xferkit.driver import rdma_devices
 
 log = logging.getLogger("xferkit.nixl")
-
-IB_SYSFS = Path("/sys/class/infiniband")
-
-
-def rdma_devices(root: Path = IB_SYSFS) -> dict[str, str]:
-    """RDMA devices here, by name, with their kernel driver ("" when unknown)."""
-    try:
-        entries = sorted(root.iterdir())
-    except OSError:
-        return {}
-    out = {}
-    for dev in entries:
-        try:
-            driver = os.path.basename(os.readlink(dev / "device" / "driver"))
-        except OSError:
-            driver = ""
-        out[dev.name] = driver
-    return out
 
 
 def _is_efa(name: str, driver: str) -> bool:

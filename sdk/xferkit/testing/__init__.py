@@ -1,11 +1,23 @@
-"""Test kit for engines and plugin authors: the reference model and its helpers.
+"""Test kit for engines and plugin authors: the reference model, its checkers and helpers.
 
-The hypothesis strategies (``layouts``, ``slot_requests``, ...) are imported on
-first use, so the reference model works without hypothesis installed.
+``handoff(ref, request, write=...)`` runs a whole request against the
+reference (plan, expand, check the descriptors, write, compare every byte);
+``check_descriptors`` is the descriptor checker it uses. The hypothesis
+strategies (``layouts``, ``slot_requests``, ...) are imported on first use, so
+the rest works without hypothesis installed.
 """
 
 from typing import Any
 
+from .checks import (
+    Request,
+    Writer,
+    byte_runs,
+    check_descriptors,
+    for_rank,
+    handoff,
+    requested_bytes,
+)
 from .models import gdn_hybrid
 from .reference import (
     Rank,
@@ -22,10 +34,12 @@ _STRATEGIES = (
     "Regions",
     "layouts",
     "manifest_regions",
+    "msgpack_values",
     "region_specs",
     "slot_pairs",
     "slot_requests",
     "tp_pairs",
+    "wire_bytes",
 )
 
 
@@ -43,15 +57,24 @@ __all__ = [
     "Reference",
     "RegionSpec",
     "Regions",
+    "Request",
     "WriteCounter",
+    "Writer",
+    "byte_runs",
+    "check_descriptors",
     "execute",
+    "for_rank",
     "gdn_hybrid",
+    "handoff",
     "held_indices",
     "layouts",
     "manifest_regions",
+    "msgpack_values",
     "region_specs",
+    "requested_bytes",
     "shard",
     "slot_pairs",
     "slot_requests",
     "tp_pairs",
+    "wire_bytes",
 ]

@@ -1,4 +1,4 @@
-"""A driver that copies within this process and lets a test decide what fails: httpx's MockTransport.
+"""A test driver that copies in-process and lets a test decide what fails: httpx's MockTransport.
 
 ``Backend(MockDriver(handler))`` is a real backend: the core's guards run as
 for any driver. The handler sees every primitive call and decides its fate
@@ -33,14 +33,24 @@ from .reference import execute
 STALL = "<stall>"
 """A handler's answer for a post that stays PENDING until the core releases it."""
 
-OPS = ("register", "deregister", "connect", "disconnect", "post", "notify", "close")
+OPS = (
+    "register",
+    "deregister",
+    "endpoint",
+    "connect",
+    "disconnect",
+    "post",
+    "notify",
+    "notifications",
+    "close",
+)
 
 
 class Call(NamedTuple):
     """One primitive call: ``op``, its 1-based count among calls of that op, and its arguments."""
 
     op: str
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which nobody calls on a Call
     region: Region | None = None
     descs: Descriptors | None = None
     message: bytes | None = None
@@ -60,7 +70,7 @@ class _Blob(msgspec.Struct, frozen=True):
 class _Posted(Posted):
     def __init__(self, status: Status, error: str = "") -> None:
         self._status, self._error = status, error
-        self.released = False
+        self.released = 0  # how many times the core released it (the contract: once)
 
     def poll(self) -> Status:
         return self._status
@@ -70,7 +80,7 @@ class _Posted(Posted):
         return self._error
 
     def release(self) -> None:
-        self.released = True
+        self.released += 1
         if self._status is Status.PENDING:
             self._status, self._error = Status.FAILED, "released while stalled"
 
@@ -97,6 +107,7 @@ class MockDriver(Driver):
         self.calls: list[Call] = []
         self.registered: set[tuple[int, int]] = set()
         self.inbox: deque[tuple[str, bytes]] = deque()
+        self.handles: list[Any] = []  # every Posted returned by post/notify, in order
         self._counts = dict.fromkeys(OPS, 0)
         self._lock = threading.Lock()
         _LIVE[self.address] = self
@@ -121,6 +132,7 @@ class MockDriver(Driver):
         self.registered.discard((region.addr, region.nbytes))
 
     def endpoint(self) -> msgspec.Struct:
+        self._call("endpoint")
         return _Blob(self.address)
 
     def connect(self, blob: Any, manifest: Manifest) -> Any:
@@ -137,6 +149,11 @@ class MockDriver(Driver):
         return self._deliver("notify", link, None, message)
 
     def _deliver(self, op: str, link: str, descs: Descriptors | None, note: bytes | None) -> Posted:
+        posted = self._fate(op, link, descs, note)
+        self.handles.append(posted)
+        return posted
+
+    def _fate(self, op: str, link: str, descs: Descriptors | None, note: bytes | None) -> _Posted:
         fate = self._call(op, descs=descs, message=note, link=link)
         if fate == STALL:
             return _Posted(Status.PENDING)
@@ -152,6 +169,7 @@ class MockDriver(Driver):
         return _Posted(Status.DONE)
 
     def notifications(self) -> Sequence[tuple[str, bytes]]:
+        self._call("notifications")
         out = []
         while self.inbox:
             out.append(self.inbox.popleft())

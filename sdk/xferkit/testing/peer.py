@@ -52,11 +52,15 @@ class Drain(msgspec.Struct, tag=True):
     timeout: float = 0.0
 
 
+class Reregister(msgspec.Struct, tag=True):
+    """Deregister, then register the same memory again: endpoints handed out before are stale."""
+
+
 class Quit(msgspec.Struct, tag=True):
     pass
 
 
-Request = Setup | Check | Write | Drain | Quit
+Request = Setup | Check | Write | Drain | Reregister | Quit
 
 
 class Reply(msgspec.Struct):
@@ -68,14 +72,9 @@ class Reply(msgspec.Struct):
 
 
 def reference(s: Setup) -> Reference:
-    return Reference(
-        s.specs,
-        src_tp=s.src_tp,
-        dst_tp=s.dst_tp,
-        src_slots=s.src_slots,
-        dst_slots=s.dst_slots,
-        seed=s.seed,
-    )
+    """The same reference model the parent built: same specs, sizes and seed."""
+    sizes = {f: getattr(s, f) for f in ("src_tp", "dst_tp", "src_slots", "dst_slots", "seed")}
+    return Reference(s.specs, **sizes)
 
 
 def serve() -> None:
@@ -106,6 +105,12 @@ def serve() -> None:
                 descs = plan(backend.manifest, dst).expand(req.slots)
                 backend.write(peer, descs, req.notify).wait(60)
                 reply = Reply(True)
+            elif isinstance(req, Reregister):
+                manifest = backend.manifest
+                assert manifest is not None
+                backend.deregister()
+                backend.register(manifest)
+                reply = Reply(True, endpoint=backend.endpoint(), manifest=manifest.encode())
             elif isinstance(req, Drain):
                 notes = backend.notifications(timeout=req.timeout)
                 reply = Reply(True, notes=[(n.peer, n.message) for n in notes])
@@ -133,7 +138,7 @@ class PeerProcess:
     def pid(self) -> int:
         return self._proc.pid
 
-    def ask(self, request: Setup | Check | Write | Drain) -> Reply:
+    def ask(self, request: Setup | Check | Write | Drain | Reregister) -> Reply:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._proc.stdin.write(msgspec.json.encode(request).decode() + "\n")
         self._proc.stdin.flush()

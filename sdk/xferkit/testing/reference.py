@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
-from ..manifest import Manifest, Region, RegionKey, key_label
-from ..planner import Descriptors
+from ..descriptors import Descriptors
+from ..manifest import AddressTable, Manifest, Region, RegionKey, key_label
 
 
 class RegionSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,33 +199,45 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 
 
 class WriteCounter:
-    """Counts how many times each byte of some ranks' regions is written."""
+    """Counts how many times each byte of some ranks' regions is written.
+
+    ``record`` costs O(descriptors): it marks where each write starts and ends
+    (a difference array over all regions' bytes, laid end to end) and the
+    per-byte counts are summed up only when asked for.
+    """
 
     def __init__(self, ranks: Iterable[Rank]) -> None:
-        entries = [
-            (r.manifest.region(k).addr, a)
-            for r in ranks
-            for k, a in r.arrays.items()
-            if k in r.manifest
-        ]
-        entries.sort(key=lambda e: e[0])
-        self._starts = np.array([e[0] for e in entries], dtype=np.uint64)
-        self._arrays = [e[1] for e in entries]
-        self.counts = [np.zeros(a.nbytes, dtype=np.int32) for _, a in entries]
+        manifests = [r.manifest for r in ranks]
+        addrs = np.concatenate([m.addrs for m in manifests] or [np.zeros(0, np.uint64)])
+        nbytes = np.concatenate([m.nbytes for m in manifests] or [np.zeros(0, np.uint64)])
+        self._table = AddressTable(addrs, nbytes)
+        self._addrs = addrs.astype(np.int64)
+        self._base = np.cumsum(nbytes.astype(np.int64)) - nbytes.astype(np.int64)
+        self._marks = np.zeros(int(nbytes.sum()) + 1, dtype=np.int32)
 
     def record(self, descs: Descriptors) -> None:
-        """Add one write per byte of ``descs``; AssertionError for bytes outside every region."""
-        where = np.searchsorted(self._starts, descs.dst, side="right").astype(np.int64) - 1
-        for i, (dst, n) in enumerate(zip(descs.dst.tolist(), descs.nbytes.tolist(), strict=True)):
-            j = int(where[i])
-            off = dst - int(self._starts[j]) if j >= 0 else -1
-            if j < 0 or off + n > self.counts[j].size:
-                raise AssertionError(f"descriptor {i} writes [{dst:#x}, +{n}) outside every region")
-            self.counts[j][off : off + n] += 1
+        """Add one write per byte of ``descs``; AssertionError for a write outside every region."""
+        where = self._table.locate(descs.dst, descs.nbytes)
+        bad = np.flatnonzero(where < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise AssertionError(
+                f"descriptor {i} writes [{int(descs.dst[i]):#x}, +{int(descs.nbytes[i])}) "
+                "outside every region"
+            )
+        start = self._base[where] + (descs.dst.astype(np.int64) - self._addrs[where])
+        np.add.at(self._marks, start, 1)
+        np.add.at(self._marks, start + descs.nbytes.astype(np.int64), -1)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Writes per byte, all regions end to end (each rank's regions in manifest order)."""
+        return np.cumsum(self._marks[:-1], dtype=np.int32)
 
     @property
     def max(self) -> int:
-        return max((int(c.max()) for c in self.counts if c.size), default=0)
+        counts = self.counts
+        return int(counts.max()) if counts.size else 0
 
 
 def execute(descs: Descriptors) -> None:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 from hypothesis import strategies as st
 
@@ -244,3 +245,31 @@ def manifest_regions(draw: st.DrawFn, *, max_regions: int = 8) -> Regions:
         )
         addr += nbytes + draw(st.integers(0, 64))
     return Regions(draw(st.permutations(regions)), tp_rank, tp_size)
+
+
+# -- what a peer might send ----------------------------------------------------------
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+
+
+def msgpack_values(max_leaves: int = 20) -> st.SearchStrategy[object]:
+    """Any value msgpack carries: scalars (ints over its whole range), lists, string-keyed maps."""
+    return st.recursive(
+        _SCALARS,
+        lambda inner: (
+            st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+def wire_bytes(max_size: int = 200) -> st.SearchStrategy[bytes]:
+    """Bytes a peer might send: random ones, or any msgpack value encoded (decodes, wrong shape)."""
+    return st.binary(max_size=max_size) | msgpack_values().map(msgspec.msgpack.encode)

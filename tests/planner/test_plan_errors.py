@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def region(
     slot_shape: tuple[int, ...] = (4, 2, 8),
     itemsize: int = 2,
     tp_axis: int | None = 1,
-    **kw: object,
+    **kw: Any,
 ) -> Region:
     """A region at a fresh synthetic address (planning never dereferences it)."""
     nbytes = slots * math.prod(slot_shape) * itemsize

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
@@ -22,13 +25,13 @@ def test_listed_available_here() -> None:
     info = _mooncake()
     assert info.available and info.reason is None
     assert info.distribution == "xferkit-mooncake"
-    assert info.target == "xferkit_mooncake.backend:MooncakeBackend"
+    assert info.target == "xferkit_mooncake.backend:MooncakeDriver"
 
 
-def test_without_the_module_the_reason_is_given(monkeypatch) -> None:
+def test_without_the_module_the_reason_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
 
-    def find_spec(name, *args, **kwargs):
+    def find_spec(name: str, *args: Any, **kwargs: Any) -> Any:
         return None if name == "mooncake" else real(name, *args, **kwargs)
 
     monkeypatch.setattr(xferkit_mooncake.importlib.util, "find_spec", find_spec)
@@ -47,12 +50,15 @@ def test_without_the_module_the_reason_is_given(monkeypatch) -> None:
         ("libibverbs.so.1", "apt-get install -y libibverbs1 librdmacm1"),
         ("librdmacm.so.1", "apt-get install -y libibverbs1 librdmacm1"),
         ("libnuma.so.1", "apt-get install -y libnuma1"),
+        ("libcurl.so.4", "apt-get install -y libcurl4"),
     ],
 )
-def test_without_a_system_library_the_reason_is_given(monkeypatch, library, command) -> None:
+def test_without_a_system_library_the_reason_is_given(
+    monkeypatch: pytest.MonkeyPatch, library: str, command: str
+) -> None:
     real = ctypes.CDLL
 
-    def cdll(name, *args, **kwargs):
+    def cdll(name: str, *args: Any, **kwargs: Any) -> Any:
         if name == library:
             raise OSError(f"{name}: cannot open shared object file: No such file or directory")
         return real(name, *args, **kwargs)
@@ -64,9 +70,6 @@ def test_without_a_system_library_the_reason_is_given(monkeypatch, library, comm
 
 
 def test_listing_does_not_import_the_driver() -> None:
-    import subprocess
-    import sys
-
     code = (
         "import sys, xferkit; xferkit.backends(); "
         "print(sorted(m for m in sys.modules if m.startswith(('mooncake', 'xferkit_mooncake.'))))"

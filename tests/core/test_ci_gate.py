@@ -1,7 +1,7 @@
-"""The CI gate in conftest.py: with CI=true a skipped test fails unless it is allowed to skip.
+"""The CI gate in the repository's conftest.py: with CI=true a skip fails unless allowed.
 
 Each check runs pytest in a subprocess on a small temporary project that uses
-a copy of this directory's conftest.py, with CI set or unset explicitly (the
+a copy of the repository's root conftest.py, with CI set or unset explicitly (the
 outer run may itself be in CI).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+CONFTEST = Path(__file__).parents[2] / "conftest.py"  # tests/core/ -> the repository root
 
 CASES = """
 import pytest
@@ -92,9 +92,10 @@ def _run(tmp_path: Path, name: str, source: str, ci: bool) -> tuple[int, str, di
     for case in ET.parse(report).iter("testcase"):
         kinds = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
         outcome = kinds[0] if kinds else "passed"
-        if outcome == "skipped" and "xfail" in (case.find("skipped").get("type") or ""):
+        skipped = case.find("skipped")
+        if skipped is not None and "xfail" in (skipped.get("type") or ""):
             outcome = "xfail"
-        outcomes[case.get("name") or case.get("classname")] = outcome
+        outcomes[case.get("name") or case.get("classname") or "?"] = outcome
     return run.returncode, run.stdout + run.stderr, outcomes
 
 

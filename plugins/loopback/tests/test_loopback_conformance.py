@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar
 
 from xferkit.testing.conformance import BackendConformance
@@ -10,15 +9,6 @@ from xferkit.testing.conformance import BackendConformance
 
 class TestLoopback(BackendConformance):
     backend = "loopback"
-
-    @contextlib.contextmanager
-    def refusing_registration(self, backend, at):
-        # The loopback can refuse for real, inside the driver.
-        backend.faults.fail_register_at = at
-        try:
-            yield
-        finally:
-            backend.faults.fail_register_at = None
 
 
 class TestLoopbackSmallBatches(TestLoopback):

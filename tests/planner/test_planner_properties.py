@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-from checks import byte_runs, check_descriptors, for_rank, region_of, transfer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xferkit import Descriptors, coverage
 from xferkit.testing import Rank, layouts, slot_pairs, slot_requests
+from xferkit.testing.checks import byte_runs, check_descriptors, for_rank, handoff
 from xferkit.testing.strategies import INTERESTING_TP, Layout
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -31,7 +31,7 @@ def test_handoff_matches_reference(data: st.DataObject) -> None:
     no zero-length descriptor, counts minimal, bytes moved equal bytes requested."""
     layout = data.draw(layouts())
     request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
-    transfer(layout.reference(seed=data.draw(seeds)), request)
+    handoff(layout.reference(seed=data.draw(seeds)), request)
 
 
 @settings(SETTINGS, max_examples=50)
@@ -41,7 +41,7 @@ def test_non_whole_ratios_and_replication(data: st.DataObject) -> None:
     pairs = st.sampled_from([p for p in INTERESTING_TP if p[0] != p[1]])
     layout = data.draw(layouts(max_pp=1, tp=pairs, empty=False, sharded=True))
     request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
-    transfer(layout.reference(seed=data.draw(seeds)), request)
+    handoff(layout.reference(seed=data.draw(seeds)), request)
 
 
 @settings(SETTINGS, max_examples=50)
@@ -66,7 +66,7 @@ def test_replicated_on_one_side_sharded_on_the_other(data: st.DataObject) -> Non
         for t in range(layout.src_tp)
     ]
     request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
-    transfer(ref, request)
+    handoff(ref, request)
 
 
 @settings(SETTINGS, max_examples=50)
@@ -78,7 +78,7 @@ def test_pipeline_splits(data: st.DataObject) -> None:
         src_pp=data.draw(st.integers(2, 3)), dst_pp=data.draw(st.integers(1, 3))
     )
     request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
-    transfer(layout.reference(seed=data.draw(seeds)), request)
+    handoff(layout.reference(seed=data.draw(seeds)), request)
 
 
 @SETTINGS
@@ -139,7 +139,8 @@ def test_count_is_number_of_maximal_runs(data: st.DataObject) -> None:
             if not len(singles):
                 assert not len(whole)
                 continue
-            regions = region_of(rank.manifest, singles.dst, singles.nbytes, "destination")
+            regions = rank.manifest.locate(singles.dst, singles.nbytes)
+            assert (regions >= 0).all(), "a descriptor is not inside one destination region"
             runs, total = byte_runs(singles.src, singles.dst, singles.nbytes, regions)
             assert len(whole) == runs
             assert whole.total_bytes == total

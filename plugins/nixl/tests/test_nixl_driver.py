@@ -1,31 +1,59 @@
 """What the NIXL driver adds to the conformance kit: its own failures, paths and set-up.
 
 Everything runs a real NIXL agent (UCX on host memory); nothing is mocked
-except ``find_spec`` in the availability test.
+except ``find_spec`` in the availability test. Where a test needs to see or
+bend a primitive, it subclasses the driver (``Recording``, ``NullSecond``)
+and wraps it in a ``Backend``, as a plugin author would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 from drivers import require_nixl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import xferkit as xk
 import xferkit_nixl
-from xferkit_nixl.memory import memory_kind
+from xferkit.driver import Posted, Status
+from xferkit.testing.conformance import drain_until
+from xferkit.testing.peer import PeerProcess, Setup
+from xferkit.testing.reference import RegionSpec
+from xferkit_nixl.backend import NixlDriver
+from xferkit_nixl.memory import Kinds, memory_kind, split_by_kind
 from xferkit_nixl.ucx_env import apply_defaults, ucx_modules_default
 
 require_nixl()
 
 PAGE = 4096
+
+
+class Recording(NixlDriver):
+    """The NIXL driver, keeping every batch it posted (the core releases them; they stay here)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.posts = 0
+        self.posted: list[Posted] = []
+
+    def post(self, link: Any, descs: xk.Descriptors, notify: bytes | None) -> Posted:
+        self.posts += 1
+        posted = super().post(link, descs, notify)
+        self.posted.append(posted)
+        return posted
 
 
 def _manifest(arrays: dict[str, np.ndarray]) -> xk.Manifest:
@@ -39,13 +67,9 @@ def _descs(pairs: list[tuple[int, int, int]]) -> xk.Descriptors:
     return xk.Descriptors(*(np.array(x, dtype=np.uint64) for x in (src, dst, n)))
 
 
-def _drain(backend: xk.Backend, count: int, timeout: float = 10.0) -> list[xk.Notification]:
-    notes: list[xk.Notification] = []
-    deadline = time.monotonic() + timeout
-    while len(notes) < count and time.monotonic() < deadline:
-        notes += backend.notifications()
-        time.sleep(0.001)
-    return notes
+def _sender(backend: xk.Backend) -> str:
+    """How a receiver names ``backend`` in its notifications (and its peers name it)."""
+    return f"nixl:{backend.driver.address}"
 
 
 # -- pure mappings -------------------------------------------------------------------
@@ -62,7 +86,6 @@ def test_memory_kind_mapping() -> None:
 
 def test_mixed_memory_kinds_are_split_into_one_request_per_kind_pair() -> None:
     """A NIXL list holds one memory type: cpu and cuda:N descriptors go out separately."""
-    from xferkit_nixl.backend import _Side, _split_by_kind
 
     def region(name: str, addr: int, device: str) -> xk.Region:
         return xk.Region(
@@ -70,9 +93,13 @@ def test_mixed_memory_kinds_are_split_into_one_request_per_kind_pair() -> None:
             itemsize=1, device=device,
         )  # fmt: skip
 
-    local = _Side(xk.Manifest.build([region("a", 1 << 40, "cuda:3"), region("b", 1 << 30, "cpu")]))
-    remote = _Side(xk.Manifest.build([region("a", 1 << 41, "cuda:1"), region("b", 1 << 31, "cpu")]))
-    assert local.uniform is None and remote.kinds == [("DRAM", 0), ("VRAM", 1)]
+    def kinds(m: xk.Manifest) -> Kinds:
+        return Kinds.of([r.device for r in m.regions], m.locate)
+
+    local = kinds(xk.Manifest.build([region("a", 1 << 40, "cuda:3"), region("b", 1 << 30, "cpu")]))
+    remote = kinds(xk.Manifest.build([region("a", 1 << 41, "cuda:1"), region("b", 1 << 31, "cpu")]))
+    assert local.kinds == [("DRAM", 0), ("VRAM", 3)]
+    assert remote.kinds == [("DRAM", 0), ("VRAM", 1)]
     d = _descs(
         [
             ((1 << 40) + 4096, (1 << 41) + 64, 100),  # VRAM 3 -> VRAM 1
@@ -81,7 +108,7 @@ def test_mixed_memory_kinds_are_split_into_one_request_per_kind_pair() -> None:
             ((1 << 40) + 8192, (1 << 41) + 8192, 7),  # VRAM 3 -> VRAM 1 again
         ]
     )
-    groups = {(lk, rk): part for lk, rk, part in _split_by_kind(local, remote, d)}
+    groups = {(lk, rk): part for lk, rk, part in split_by_kind(local, remote, d)}
     assert sorted(groups) == [
         (("DRAM", 0), ("VRAM", 1)),
         (("VRAM", 3), ("DRAM", 0)),
@@ -89,6 +116,10 @@ def test_mixed_memory_kinds_are_split_into_one_request_per_kind_pair() -> None:
     ]
     assert groups[(("VRAM", 3), ("VRAM", 1))].nbytes.tolist() == [100, 7]
     assert groups[(("DRAM", 0), ("VRAM", 1))].src.tolist() == [(1 << 30) + 8]
+    # One kind on each side (the usual case): the descriptors go out as they are.
+    cpu = kinds(_manifest({"x": np.zeros(64, np.uint8)}))
+    ((lk, rk, same),) = split_by_kind(cpu, cpu, d)
+    assert (lk, rk) == (("DRAM", 0), ("DRAM", 0)) and same is d
 
 
 def test_ucx_modules_default_follows_the_rdma_devices() -> None:
@@ -103,6 +134,9 @@ def test_ucx_modules_default_follows_the_rdma_devices() -> None:
     env = {"UCX_MODULES": "*", "UCX_LOG_FILE": "/tmp/ucx.log"}
     apply_defaults(env, devices={})
     assert env == {"UCX_MODULES": "*", "UCX_LOG_FILE": "/tmp/ucx.log"}  # the user's choice stays
+    env = {}
+    apply_defaults(env, devices={"rdmap16s27": ""})  # an EFA device: UCX_MODULES left unset
+    assert env == {"UCX_LOG_FILE": "stderr"}
 
 
 # -- availability ------------------------------------------------------------------------
@@ -135,11 +169,31 @@ def test_probe_reason_when_nixl_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
     assert xferkit_nixl.INSTALL == "pip install --no-deps nixl-cu12 nixl"
 
 
-def test_bad_options_are_refused() -> None:
-    with pytest.raises(xk.PluginError, match="post="):
-        xk.open_backend("nixl", post="fastest")
-    with pytest.raises(xk.PluginError, match="NOPE"):
-        xk.open_backend("nixl", backends=["NOPE"])
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [
+        ({"post": "prepared"}, "post"),  # the prepared-list path is gone
+        ({"backends": "UCX"}, "backends"),
+        ({"backends": []}, "backends"),
+        ({"backends": ["NOPE"]}, "NOPE"),
+        ({"agent_prefix": ""}, "agent_prefix"),
+        ({"max_batch": -1}, "max_batch"),
+        ({"max_batch": 2.5}, "max_batch"),
+        ({"progress_thread": 1}, "progress_thread"),
+        ({"progress_delay_us": -5}, "progress_delay_us"),
+    ],
+)
+def test_bad_options_are_option_errors_naming_the_option(
+    options: dict[str, Any], culprit: str
+) -> None:
+    with pytest.raises(xk.OptionError, match=culprit):
+        xk.open_backend("nixl", **options)
+
+
+def test_an_unknown_nixl_backend_is_refused_naming_what_exists() -> None:
+    with pytest.raises(xk.OptionError) as info:
+        xk.open_backend("nixl", backends=["NOSUCH"])
+    assert "NOSUCH" in str(info.value) and "UCX" in str(info.value)
 
 
 # -- the process-exit crash ---------------------------------------------------------------
@@ -177,26 +231,32 @@ def test_process_exits_cleanly(close: bool) -> None:
 # -- registration ---------------------------------------------------------------------------
 
 
+class NullSecond(NixlDriver):
+    """Hands NIXL a NULL address for the second region, which NIXL really refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def register_region(self, region: xk.Region) -> None:
+        self.calls += 1
+        super().register_region(
+            msgspec.structs.replace(region, addr=0) if self.calls == 2 else region
+        )
+
+
 def test_registration_failure_carries_nixls_text_and_rolls_back() -> None:
-    """NIXL really refuses the second region (a NULL address reaches register_memory)."""
     bufs = {n: np.zeros(2 * PAGE, np.uint8) for n in ("a", "b", "c")}
     m = _manifest(bufs)
-    with xk.open_backend("nixl") as b, xk.open_backend("nixl") as a:
-        real = b._register_region
-        calls: list[xk.Region] = []
-
-        def null_second(region: xk.Region) -> None:
-            calls.append(region)
-            real(msgspec.structs.replace(region, addr=0) if len(calls) == 2 else region)
-
-        b._register_region = null_second  # type: ignore[method-assign]
+    with xk.Backend(NullSecond()) as b, xk.open_backend("nixl") as a:
         with pytest.raises(xk.RegistrationError) as info:
             b.register(m)
-        del b._register_region
         text = str(info.value)
         assert m.regions[1].label in text and "nixlBackendError: NIXL_ERR_BACKEND" in text
-        assert type(info.value.__cause__.__cause__).__name__ == "nixlBackendError"
-        assert b.manifest is None and not b._regs  # the first region was rolled back
+        cause = info.value.__cause__
+        assert cause is not None and type(cause.__cause__).__name__ == "nixlBackendError"
+        assert b.manifest is None
+        assert not b.driver._regs  # type: ignore[attr-defined]  # the first was rolled back
         # Nothing is left half-registered, and the agent's metadata still loads and works.
         b.register(m)
         src = np.arange(PAGE, dtype=np.uint8)
@@ -206,7 +266,7 @@ def test_registration_failure_carries_nixls_text_and_rolls_back() -> None:
         np.testing.assert_array_equal(bufs["b"][8 : 8 + PAGE], src)
 
 
-# -- posting paths ------------------------------------------------------------------------------
+# -- writes ---------------------------------------------------------------------------------
 
 
 def _paged(seed: int, pages: int) -> dict[str, np.ndarray]:
@@ -216,16 +276,15 @@ def _paged(seed: int, pages: int) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("post", ["prepared", "initialize"])
-def test_paths_are_byte_exact_and_prepared_lists_are_used(post: str) -> None:
+def test_paged_writes_are_byte_exact() -> None:
+    """Whole pages, single and coalesced runs, pieces within a page, after re-registering."""
     src, dst = _paged(1, 16), _paged(2, 24)
     want = {n: a.copy() for n, a in dst.items()}
-    with xk.open_backend("nixl", post=post) as a, xk.open_backend("nixl") as b:
+    with xk.open_backend("nixl") as a, xk.open_backend("nixl") as b:
         a.register(_manifest(src))
         dm = _manifest(dst)
         b.register(dm)
         peer = a.connect(b.endpoint(), dm)
-        # Whole pages, single and coalesced runs, in every region.
         pairs, rng = [], np.random.default_rng(3)
         for name, arr in src.items():
             slot = arr.shape[1]
@@ -238,16 +297,13 @@ def test_paths_are_byte_exact_and_prepared_lists_are_used(post: str) -> None:
         a.write(peer, _descs(pairs), notify=b"pages").wait(10)
         for name in dst:
             np.testing.assert_array_equal(dst[name], want[name])
-        expected = {"prepared": (1, 0), "initialize": (0, 1)}[post]
-        assert (a.posts["prepared"], a.posts["initialize"]) == expected
-        # A piece within a page (a head slice, say) matches no prepared entry: fallback.
-        k = src["k"]
-        a.write(peer, _descs([(k.ctypes.data + 100, dst["k"].ctypes.data + 7, 1000)])).wait(10)
-        want["k"].reshape(-1)[7:1007] = k.reshape(-1)[100:1100]
+        assert [n.message for n in drain_until(b, 1, 10)] == [b"pages"]
+        # A piece within a page (a head slice, say).
+        head = src["k"]
+        a.write(peer, _descs([(head.ctypes.data + 100, dst["k"].ctypes.data + 7, 1000)])).wait(10)
+        want["k"].reshape(-1)[7:1007] = head.reshape(-1)[100:1100]
         np.testing.assert_array_equal(dst["k"], want["k"])
-        assert a.posts["initialize"] == expected[1] + 1
-        assert [n.message for n in _drain(b, 1)] == [b"pages"]
-        # A new local region set: the lists are prepared anew from it.
+        # A new local region set: the memory kinds are looked up in the new one.
         a.deregister()
         src2 = _paged(4, 16)
         a.register(_manifest(src2))
@@ -261,7 +317,8 @@ def test_many_descriptors_in_one_request() -> None:
     dst = np.zeros(1 << 20, np.uint8)
     n, size = 16384, 64
     order = np.random.default_rng(6).permutation(n).astype(np.uint64)
-    with xk.open_backend("nixl") as a, xk.open_backend("nixl") as b:
+    driver = Recording()
+    with xk.Backend(driver) as a, xk.open_backend("nixl") as b:
         a.register(_manifest({"s": src}))
         dm = _manifest({"d": dst})
         b.register(dm)
@@ -271,11 +328,71 @@ def test_many_descriptors_in_one_request() -> None:
             np.uint64(dst.ctypes.data) + order * np.uint64(size),
             np.full(n, size, np.uint64),
         )
-        t = a.write(peer, descs)
-        t.wait(30)
-        assert a.posts["initialize"] == 1
+        a.write(peer, descs).wait(30)
+        assert driver.posts == 1
     got = dst[: n * size].reshape(n, size)[order.astype(np.int64)]
     np.testing.assert_array_equal(got, src[: n * size].reshape(n, size))
+
+
+def test_split_writes_release_every_request_and_a_refused_post_leaves_nothing() -> None:
+    src, dst = np.arange(3 * PAGE, dtype=np.uint8), np.zeros(3 * PAGE, np.uint8)
+    driver = Recording(max_batch=1)
+    with xk.Backend(driver) as a:
+        b = xk.open_backend("nixl")
+        a.register(_manifest({"s": src.reshape(3, PAGE)}))
+        dm = _manifest({"d": dst.reshape(3, PAGE)})
+        b.register(dm)
+        peer = a.connect(b.endpoint(), dm)
+        pages = _descs(
+            [(src.ctypes.data + i * PAGE, dst.ctypes.data + i * PAGE, PAGE) for i in range(3)]
+        )
+        a.write(peer, pages, b"three").wait(10)  # three batches, the notification on the last
+        np.testing.assert_array_equal(dst, src)
+        assert [n.message for n in drain_until(b, 1, 10)] == [b"three"]
+        assert len(driver.posted) == 3
+        for posted in driver.posted:  # released by the core, and still answering
+            assert posted._handles == []  # type: ignore[attr-defined]  # NIXL's freed
+            assert posted.poll() is Status.DONE
+        b.close()
+        t = a.write(peer, pages)
+        with pytest.raises(xk.TransferError, match="nixlRemoteDisconnectError") as info:
+            t.wait(10)
+        assert peer.name in str(info.value)
+        # NIXL refused the first post itself: nothing was handed to the core, nothing runs.
+        assert driver.posts == 4 and len(driver.posted) == 3
+
+
+def test_a_pending_request_released_by_abort_reports_failed() -> None:
+    """A frozen peer keeps UCX's connection set-up, so the request, pending; abort releases it."""
+    specs = [RegionSpec(pool="p", name="buf", layer=0, shape=(1 << 16,), itemsize=1)]
+    slots = {"p": 4}
+    src = np.full((4, 1 << 16), 7, np.uint8)
+    driver = Recording()
+    with PeerProcess() as proc, xk.Backend(driver) as a:
+        ready = proc.ask(
+            Setup(
+                backend="nixl", options={}, specs=specs, src_tp=1, dst_tp=1, src_slots=slots,
+                dst_slots=slots, role="dst", index=0,
+            )
+        )  # fmt: skip
+        assert ready.ok, ready.error
+        dm = xk.Manifest.decode(ready.manifest)
+        a.register(_manifest({"buf": src}))
+        peer = a.connect(ready.endpoint, dm)
+        whole = _descs([(src.ctypes.data, dm.regions[0].addr, src.nbytes)])
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t = a.write(peer, whole, b"never")
+            time.sleep(0.5)
+            assert t.poll() is xk.Status.PENDING
+            t.abort("test: abort a pending write")
+            assert t.poll() is xk.Status.FAILED
+            (posted,) = driver.posted
+            # Released while pending: FAILED, answered without calling into the freed handle.
+            assert posted.poll() is Status.FAILED and "released" in posted.error
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        a.write(peer, whole).wait(10)  # the connection still works
 
 
 # -- peers ------------------------------------------------------------------------------------
@@ -294,23 +411,29 @@ def test_notifications_name_the_sending_agent() -> None:
         for sender in (a, c):
             sender.register(_manifest(kept[sender]))
             peer = sender.connect(b.endpoint(), dm)
-            assert peer.name == b.agent_name
-            sender.write(peer, xk.Descriptors.empty(), notify=sender.agent_name.encode()).wait(10)
-        notes = _drain(b, 2)
+            assert peer.name == _sender(b)
+            sender.write(peer, xk.Descriptors.empty(), notify=_sender(sender).encode()).wait(10)
+        notes = drain_until(b, 2, 10)
         assert sorted((n.peer, n.message) for n in notes) == sorted(
-            (s.agent_name, s.agent_name.encode()) for s in (a, c)
+            (_sender(s), _sender(s).encode()) for s in (a, c)
         )
         # An empty message still arrives (NIXL drops an empty notif_msg on a write).
         peer = a.connect(b.endpoint(), dm)
         a.write(peer, _descs([(kept[a]["k"].ctypes.data, bufs["k"].ctypes.data, 64)]), b"").wait(10)
-        assert [(n.peer, n.message) for n in _drain(b, 1)] == [(a.agent_name, b"")]
+        assert [(n.peer, n.message) for n in drain_until(b, 1, 10)] == [(_sender(a), b"")]
+
+
+def _loaded(backend: xk.Backend, agent: str) -> bool:
+    """Whether ``backend``'s NIXL agent holds metadata for ``agent``."""
+    return bool(backend.driver._agent.check_remote_metadata(agent))  # type: ignore[attr-defined]
 
 
 def test_reconnect_after_the_peer_registered_anew() -> None:
-    """Same agent name, new metadata: the old is removed before the new is loaded."""
+    """Same agent name, new metadata: the old is removed, the new loaded, old peers go stale."""
     src = np.arange(PAGE, dtype=np.uint8)
     first, second = np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.uint8)
     with xk.open_backend("nixl") as a, xk.open_backend("nixl") as b:
+        agent = b.driver.address
         a.register(_manifest({"s": src}))
         m1 = _manifest({"d": first})
         b.register(m1)
@@ -318,6 +441,7 @@ def test_reconnect_after_the_peer_registered_anew() -> None:
         twin = a.connect(b.endpoint(), m1)  # a second peer on the same agent
         a.write(old, _descs([(src.ctypes.data, first.ctypes.data, 100)])).wait(10)
         a.disconnect(twin)  # the agent's metadata stays while `old` uses it
+        assert _loaded(a, agent)
         a.write(old, _descs([(src.ctypes.data, first.ctypes.data, PAGE)])).wait(10)
         np.testing.assert_array_equal(first, src)
         b.deregister()
@@ -325,14 +449,81 @@ def test_reconnect_after_the_peer_registered_anew() -> None:
         b.register(m2)
         new = a.connect(b.endpoint(), m2)
         assert new.name == old.name
+        # Retiring the old connection did not remove the metadata that replaced it.
+        assert _loaded(a, agent)
         a.write(new, _descs([(src.ctypes.data, second.ctypes.data, PAGE)]), b"again").wait(10)
         np.testing.assert_array_equal(second, src)
-        assert [n.message for n in _drain(b, 1)] == [b"again"]
-        # The old peer's memory is gone from the agent's metadata: NIXL says so.
-        with pytest.raises(xk.TransferError, match="nixlNotFoundError") as info:
-            a.write(old, _descs([(src.ctypes.data, first.ctypes.data, 64)])).wait(10)
-        assert old.name in str(info.value)
-        assert type(info.value.__cause__.__cause__).__name__ == "nixlNotFoundError"
+        assert [n.message for n in drain_until(b, 1, 10)] == [b"again"]
+        with pytest.raises(xk.TransferError, match="stale"):
+            a.write(old, _descs([(src.ctypes.data, first.ctypes.data, 64)]))
+        a.disconnect(new)  # the last peer on the agent: its metadata stays (see the kit's fd test)
+        assert _loaded(a, agent)
+        again = a.connect(b.endpoint(), m2)  # ...and serves the next connection as it is
+        a.write(again, _descs([(src.ctypes.data, second.ctypes.data + 8, 64)])).wait(10)
+        np.testing.assert_array_equal(second[8:72], src[:64])
+
+
+def test_an_endpoint_naming_another_agent_is_a_protocol_error() -> None:
+    """Metadata under a different name than the endpoint claims is refused, and unloaded."""
+    dst = np.zeros(PAGE, np.uint8)
+    with xk.open_backend("nixl") as a, xk.open_backend("nixl") as b:
+        dm = _manifest({"d": dst})
+        b.register(dm)
+        real = b.driver.endpoint()
+        forged = msgspec.structs.replace(real, name="someone-else")
+        with pytest.raises(xk.ProtocolError, match="someone-else") as info:
+            a.driver.connect(forged, dm)
+        assert b.driver.address in str(info.value)
+        assert not _loaded(a, b.driver.address) and not _loaded(a, "someone-else")
+        # Metadata naming an agent that is not even UTF-8 (NIXL loads it): refused the same way.
+        metadata = real.metadata  # type: ignore[attr-defined]
+        at = metadata.find(b.driver.address.encode())
+        assert at >= 0
+        mangled = msgspec.structs.replace(
+            real, metadata=metadata[:at] + b"\xff" + metadata[at + 1 :]
+        )
+        with pytest.raises(xk.ProtocolError, match=b.driver.address):
+            a.driver.connect(mangled, dm)
+        assert not _loaded(a, b.driver.address)
+        src = np.full(PAGE, 3, np.uint8)
+        a.register(_manifest({"s": src}))
+        peer = a.connect(b.endpoint(), dm)  # the real endpoint still connects
+        a.write(peer, _descs([(src.ctypes.data, dst.ctypes.data, PAGE)])).wait(10)
+        assert (dst == 3).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_metadata_is_an_xferkit_error_and_leaves_nothing_loaded(
+    nixl_pair: tuple[xk.Backend, xk.Backend, xk.Manifest], data: st.DataObject
+) -> None:
+    """Garbage or truncated metadata in a well-formed blob: an XferError, never a raw one.
+
+    Not bit flips: one inside the UCX worker address trips an assertion in UCX
+    that aborts the process (see docs/nixl.md, traps).
+    """
+    a, b, dm = nixl_pair
+    real = b.driver.endpoint()
+    metadata = real.metadata  # type: ignore[attr-defined]
+    fuzzed = data.draw(
+        st.one_of(
+            st.binary(max_size=2048),
+            st.integers(0, len(metadata) - 1).map(lambda n: metadata[:n]),
+        )
+    )
+    with contextlib.suppress(xk.XferError):  # anything else fails the test
+        a.driver.disconnect(a.driver.connect(msgspec.structs.replace(real, metadata=fuzzed), dm))
+    assert not a.driver._remotes  # type: ignore[attr-defined]
+    assert not _loaded(a, b.driver.address)
+
+
+@pytest.fixture(scope="module")
+def nixl_pair() -> Iterator[tuple[xk.Backend, xk.Backend, xk.Manifest]]:
+    dst = np.zeros(PAGE, np.uint8)
+    with xk.open_backend("nixl") as a, xk.open_backend("nixl") as b:
+        dm = _manifest({"d": dst})
+        b.register(dm)
+        yield a, b, dm
 
 
 def test_closed_peer_error_is_nixls_own() -> None:
@@ -350,13 +541,14 @@ def test_closed_peer_error_is_nixls_own() -> None:
             t.wait(10)
         assert peer.name in str(info.value)
         assert "nixlRemoteDisconnectError" in str(info.value)
+        assert "unreachable" in str(info.value)  # the table's hint
 
 
-def _unmappable(size: int) -> tuple[np.ndarray, object]:
+def _unmappable(size: int) -> tuple[np.ndarray, Callable[[], object]]:
     """A buffer from mmap and the call that unmaps it (so that reading it faults for sure)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     addr = libc.mmap(None, size, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
     assert addr not in (None, ctypes.c_void_p(-1).value)
@@ -364,8 +556,8 @@ def _unmappable(size: int) -> tuple[np.ndarray, object]:
     return array, lambda: libc.munmap(addr, size)
 
 
-def test_a_failed_endpoint_recovers_by_connecting_again() -> None:
-    """A fault fails NIXL's endpoint to a live peer; connecting again to it resets it."""
+def test_a_failed_endpoint_recovers_on_the_next_write() -> None:
+    """A fault fails NIXL's endpoint to a live peer; the next post reloads the peer's metadata."""
     dst = np.zeros(PAGE, np.uint8)
     with xk.open_backend("nixl") as a, xk.open_backend("nixl") as b:
         dm = _manifest({"d": dst})
@@ -374,6 +566,7 @@ def test_a_failed_endpoint_recovers_by_connecting_again() -> None:
         src[:] = 7
         a.register(_manifest({"s": src.reshape(-1, PAGE)}))
         peer = a.connect(b.endpoint(), dm)
+        twin = a.connect(b.endpoint(), dm)
         a.write(peer, _descs([(src.ctypes.data, dst.ctypes.data, PAGE)])).wait(10)
         assert (dst == 7).all()
         unmap()  # registered memory that no longer exists: UCX fails the endpoint
@@ -384,50 +577,8 @@ def test_a_failed_endpoint_recovers_by_connecting_again() -> None:
         good = np.full(PAGE, 9, np.uint8)
         a.register(_manifest({"s": good}))
         again = _descs([(good.ctypes.data, dst.ctypes.data, PAGE)])
-        with pytest.raises(xk.TransferError):  # NIXL keeps the failed endpoint...
-            a.write(peer, again).wait(10)
-        peer2 = a.connect(b.endpoint(), dm)  # ...until the peer is connected again
-        a.write(peer2, again).wait(10)
+        a.write(peer, again).wait(10)  # NIXL would keep the failed endpoint; the driver reloads
         assert (dst == 9).all()
-        a.write(peer, again).wait(10)  # the older peer object shares the fresh endpoint
-
-
-def test_requests_are_released_on_completion_and_on_failure(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from xferkit_nixl import backend as nixl_backend
-
-    released: list[object] = []
-    real = nixl_backend._Xfer.release
-
-    def counting(self) -> None:
-        released.append(self)
-        real(self)
-
-    monkeypatch.setattr(nixl_backend._Xfer, "release", counting)
-    src, dst = np.arange(3 * PAGE, dtype=np.uint8), np.zeros(3 * PAGE, np.uint8)
-    with xk.open_backend("nixl", max_batch=1) as a:
-        b = xk.open_backend("nixl")
-        a.register(_manifest({"s": src.reshape(3, PAGE)}))
-        dm = _manifest({"d": dst.reshape(3, PAGE)})
-        b.register(dm)
-        peer = a.connect(b.endpoint(), dm)
-        pages = _descs(
-            [(src.ctypes.data + i * PAGE, dst.ctypes.data + i * PAGE, PAGE) for i in range(3)]
-        )
-        a.write(peer, pages, b"three").wait(10)  # three batches, the notification on the last
-        np.testing.assert_array_equal(dst, src)
-        assert a.posts["initialize"] == 3 and len(released) == 3
-        assert all(x._handles == [] for x in released)  # NIXL's handles were freed
-        b.close()
-        t = a.write(peer, pages)
-        with pytest.raises(xk.TransferError, match="nixlRemoteDisconnectError"):
-            t.wait(10)
-        # The failed post released what it had made; nothing is left in flight.
-        assert t._posted == [] and a.posts["initialize"] == 4
-
-
-def test_an_unknown_nixl_backend_is_refused_naming_what_exists() -> None:
-    with pytest.raises(xk.PluginError) as info:
-        xk.open_backend("nixl", backends=["NOSUCH"])
-    assert "NOSUCH" in str(info.value) and "UCX" in str(info.value)
+        good[:] = 11
+        a.write(twin, again).wait(10)  # the other peer on that agent shares the fresh endpoint
+        assert (dst == 11).all()

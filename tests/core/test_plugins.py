@@ -18,63 +18,66 @@ from pathlib import Path
 import pytest
 
 import xferkit
-from xferkit import CONTRACT_VERSION, Backend, BackendInfo, PluginError, backends, open_backend
+from xferkit import Backend, BackendInfo, OptionError, PluginError, backends, open_backend
+from xferkit.driver import CONTRACT_VERSION
 from xferkit.plugins import _reset
 
 HEAVY = '''
 """A driver module: importing it is what listing must avoid."""
-from xferkit import Backend, Posted, Status
+import msgspec
+
+from xferkit.driver import Capabilities, Done, Driver
 
 
-class Done(Posted):
-    def poll(self):
-        return Status.DONE
-
-    @property
-    def error(self):
-        return ""
+class Blob(msgspec.Struct, frozen=True):
+    token: str
 
 
-class Driver(Backend):
+class FakeDriver(Driver):
     name = "{name}"
+    Blob = Blob
 
     def __init__(self, *, flavour="plain"):
-        super().__init__()
         self.flavour = flavour
+        self.capabilities = Capabilities(notifications=False)
+        self.address = f"fake-{{flavour}}"
 
-    def _register_region(self, region):
+    def register_region(self, region):
         pass
 
-    def _deregister_region(self, region):
+    def deregister_region(self, region):
         pass
 
-    def _endpoint(self):
-        return b""
+    def endpoint(self):
+        return Blob(self.address)
 
-    def _connect(self, blob, manifest):
-        return "peer", None
+    def connect(self, blob, manifest):
+        return blob.token
 
-    def _post(self, handle, descs, notify):
+    def post(self, link, descs, notify):
         return Done()
 
 
-class NotABackend:
+class NotADriver:
     name = "{name}"
 '''
 
 
-def _plugin(specs: str, *, fail: str | None = None) -> str:
-    """A plugin entry module registering ``specs`` (source of BackendSpec(...) calls)."""
+def _plugin(specs: str, *, fail: str | None = None, marked: bool = True) -> str:
+    """A plugin entry module registering ``specs`` (source of BackendSpec(...) calls).
+
+    ``marked=False`` leaves out ``@hookimpl``: pluggy then sees no hook implementation.
+    """
     body = (
         f"raise RuntimeError({fail!r})"
         if fail
         else f"for spec in [{specs}]:\n        register(spec)"
     )
     return (
-        "from xferkit import BackendSpec, hookimpl\n\n\n"
-        "@hookimpl\n"
-        "def register_backends(register):\n"
-        f"    {body}\n"
+        "from xferkit.driver import BackendSpec, hookimpl\n\n\n"
+        + ("@hookimpl\n" if marked else "")
+        + "def register_backends(register):\n"
+        + f"    {body}\n"
     )
 
 
@@ -119,6 +122,20 @@ def _listed(name: str) -> list[xferkit.BackendInfo]:
     return [b for b in backends() if b.name == name]
 
 
+def _install_fake(install: Installer) -> None:
+    """Distribution ``fakeplug``: backend ``fake``, a light entry module and a driver module."""
+    install.dist(
+        "fakeplug",
+        {
+            "fakeplug_entry": _plugin(
+                "BackendSpec(name='fake', target='fakeplug_heavy:FakeDriver')"
+            ),
+            "fakeplug_heavy": HEAVY.format(name="fake"),
+        },
+        {"fakeplug": "fakeplug_entry"},
+    )
+
+
 # -- the built-in driver, found like any other ------------------------------------------------
 
 
@@ -127,9 +144,10 @@ def test_loopback_is_listed_from_its_distribution():
     assert info.distribution == "xferkit-loopback"
     assert info.version == importlib.metadata.version("xferkit-loopback")
     assert info.available and info.reason is None
-    assert info.target == "xferkit_loopback.backend:LoopbackBackend"
+    assert info.target == "xferkit_loopback.backend:LoopbackDriver"
     with open_backend("loopback", max_batch=7) as b:
-        assert type(b).__name__ == "LoopbackBackend" and b.capabilities.max_batch == 7
+        assert isinstance(b, Backend) and type(b.driver).__name__ == "LoopbackDriver"
+        assert b.capabilities.max_batch == 7
 
 
 def test_listing_does_not_import_the_loopback_driver():
@@ -151,20 +169,15 @@ def test_listing_does_not_import_the_loopback_driver():
 
 
 def test_listing_does_not_import_targets_and_open_does(install):
-    install.dist(
-        "fakeplug",
-        {
-            "fakeplug_entry": _plugin("BackendSpec(name='fake', target='fakeplug_heavy:Driver')"),
-            "fakeplug_heavy": HEAVY.format(name="fake"),
-        },
-        {"fakeplug": "fakeplug_entry"},
-    )
+    _install_fake(install)
     (info,) = _listed("fake")
     assert (info.distribution, info.version, info.available) == ("fakeplug", "1.0", True)
     assert "fakeplug_entry" in sys.modules  # discovery did run the plugin
     assert "fakeplug_heavy" not in sys.modules
     with open_backend("fake", flavour="spicy") as b:
-        assert isinstance(b, Backend) and b.flavour == "spicy"
+        assert isinstance(b, Backend) and b.name == "fake"
+        assert type(b.driver) is sys.modules["fakeplug_heavy"].FakeDriver
+        assert b.driver.flavour == "spicy"  # type: ignore[attr-defined]
     assert "fakeplug_heavy" in sys.modules
     assert _listed("loopback")[0].available  # the others are still there
 
@@ -174,9 +187,9 @@ def test_probe_reason_makes_a_backend_unavailable(install):
         "fakeplug-rdma",
         {
             "fakerdma_entry": _plugin(
-                "BackendSpec(name='fakerdma', target='fakerdma_heavy:Driver',"
+                "BackendSpec(name='fakerdma', target='fakerdma_heavy:FakeDriver',"
                 " probe=lambda: 'libfakeverbs.so.1 missing'),"
-                "BackendSpec(name='fakecrash', target='fakerdma_heavy:Driver',"
+                "BackendSpec(name='fakecrash', target='fakerdma_heavy:FakeDriver',"
                 " probe=lambda: 1 / 0)"
             ),
             "fakerdma_heavy": HEAVY.format(name="fakerdma"),
@@ -192,7 +205,7 @@ def test_probe_reason_makes_a_backend_unavailable(install):
     assert exc.value.subject == "fakerdma" and "fakeplug-rdma" in str(exc.value)
     assert "fakerdma_heavy" not in sys.modules  # an unusable driver is never imported
     (crash,) = _listed("fakecrash")
-    assert not crash.available and "ZeroDivisionError" in crash.reason
+    assert not crash.available and crash.reason and "ZeroDivisionError" in crash.reason
 
 
 def test_two_plugins_claiming_one_name(install):
@@ -200,13 +213,13 @@ def test_two_plugins_claiming_one_name(install):
         mod = dist.replace("-", "_")
         install.dist(
             dist,
-            {mod: _plugin(f"BackendSpec(name='twin', target='{mod}_heavy:Driver')")},
+            {mod: _plugin(f"BackendSpec(name='twin', target='{mod}_heavy:FakeDriver')")},
             {mod: mod},
         )
     listed = _listed("twin")
     assert [b.distribution for b in listed] == ["fakeplug-a", "fakeplug-b"]
     for info in listed:
-        assert not info.available
+        assert not info.available and info.reason
         assert "fakeplug-a" in info.reason and "fakeplug-b" in info.reason
     with pytest.raises(PluginError) as exc:
         open_backend("twin")
@@ -233,7 +246,7 @@ def test_plugin_for_another_contract_version(install):
         {"future": "future_entry"},
     )
     (info,) = _listed("future")
-    assert not info.available
+    assert not info.available and info.reason
     assert "fakeplug-future" in info.reason
     assert "contract 999" in info.reason and f"speaks {CONTRACT_VERSION}" in info.reason
     with pytest.raises(PluginError, match="contract 999"):
@@ -241,11 +254,7 @@ def test_plugin_for_another_contract_version(install):
 
 
 def test_unknown_name_lists_what_is_installed(install):
-    install.dist(
-        "fakeplug",
-        {"fakeplug_entry": _plugin("BackendSpec(name='fake', target='fakeplug_heavy:Driver')")},
-        {"fakeplug": "fakeplug_entry"},
-    )
+    _install_fake(install)
     with pytest.raises(PluginError) as exc:
         open_backend("no-such-driver")
     text = str(exc.value)
@@ -253,16 +262,15 @@ def test_unknown_name_lists_what_is_installed(install):
     assert exc.value.subject == "no-such-driver"
 
 
-@pytest.mark.parametrize(
-    ("target", "why"),
-    [
-        ("badtarget_heavy:NotABackend", "is not a Backend"),
-        ("badtarget_heavy:Driver", "is not a Backend named 'bad'"),  # it is named 'other'
-        ("badtarget_heavy:Missing", "cannot load"),
-        ("badtarget_nowhere:Driver", "cannot load"),
-    ],
-)
-def test_target_that_is_not_a_usable_backend(install, target, why):
+BAD_TARGETS = [
+    ("badtarget_heavy:NotADriver", "is not a xferkit.driver.Driver subclass"),
+    ("badtarget_heavy:FakeDriver", "names itself 'other', not 'bad'"),  # the class's own name
+    ("badtarget_heavy:FakeDrvier", "cannot load"),  # a typo in the class
+    ("badtarget_hevy:FakeDriver", "cannot load"),  # a typo in the module
+]
+
+
+def _install_bad(install, target: str) -> None:
     install.dist(
         "fakeplug-bad",
         {
@@ -271,10 +279,41 @@ def test_target_that_is_not_a_usable_backend(install, target, why):
         },
         {"bad": "badtarget_entry"},
     )
-    assert _listed("bad")[0].available  # listing cannot know without importing
+
+
+@pytest.mark.parametrize(("target", "why"), BAD_TARGETS)
+def test_target_that_is_not_a_usable_driver(install, target, why):
+    _install_bad(install, target)
+    assert _listed("bad")[0].available  # the plain listing imports no driver, so cannot know
     with pytest.raises(PluginError, match=why) as exc:
         open_backend("bad")
     assert "fakeplug-bad" in str(exc.value) and target in str(exc.value)
+
+
+@pytest.mark.parametrize(("target", "why"), BAD_TARGETS)
+def test_checked_listing_names_a_target_that_is_not_a_usable_driver(install, target, why):
+    _install_bad(install, target)
+    (info,) = [b for b in backends(check=True) if b.name == "bad"]
+    assert not info.available and info.reason and why in info.reason and target in info.reason
+    assert info.distribution == "fakeplug-bad"
+    checked = {b.name: b.available for b in backends(check=True)}
+    assert checked["loopback"]  # checking imports the good drivers and keeps them usable
+
+
+def test_cli_check_lists_a_target_that_is_not_a_usable_driver(install, capsys):
+    from xferkit.cli import main
+
+    _install_bad(install, "badtarget_heavy:FakeDriver")
+    assert main(["backends"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("bad ")]
+    assert line.endswith("usable") and "unusable" not in line  # unchecked: cannot know
+    assert main(["backends", "--check"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in out if x.startswith("bad ")]
+    assert "fakeplug-bad" in line and "unusable:" in line
+    assert "names itself 'other', not 'bad'" in line
+    (loopback,) = [x for x in out if x.startswith("loopback ")]
+    assert loopback.endswith("usable") and "unusable" not in loopback
 
 
 def _only(name: str) -> BackendInfo:
@@ -289,13 +328,39 @@ def test_plugin_whose_hook_raises_is_listed_unusable_and_others_still_work(insta
         {"broken": "broken_entry"},
     )
     info = _only("broken")
-    assert not info.available
+    assert not info.available and info.reason
     assert "fakeplug-broken" in info.reason and "cannot find libbroken" in info.reason
     with pytest.raises(PluginError) as exc:
         open_backend("broken")
     assert "cannot find libbroken" in str(exc.value)
     with open_backend("loopback") as lb:  # one broken plugin does not take the others down
         assert lb.name == "loopback"
+
+
+def test_plugin_whose_hook_lacks_hookimpl_is_listed_with_the_reason(install, capsys):
+    """Without ``@hookimpl`` pluggy sees no implementation: listed, never silently gone."""
+    install.dist(
+        "fakeplug-unmarked",
+        {
+            "unmarked_entry": _plugin(
+                "BackendSpec(name='unmarked', target='unmarked_heavy:FakeDriver')", marked=False
+            ),
+            "unmarked_heavy": HEAVY.format(name="unmarked"),
+        },
+        {"unmarked": "unmarked_entry"},
+    )
+    info = _only("unmarked")  # listed under its entry-point name: it registered no backend
+    assert not info.available and info.reason and info.distribution == "fakeplug-unmarked"
+    assert "registered no hook implementation" in info.reason and "@xferkit.hookimpl" in info.reason
+    assert info.target == "unmarked_entry"
+    with pytest.raises(PluginError, match="hookimpl"):
+        open_backend("unmarked")
+    from xferkit.cli import main
+
+    assert main(["backends"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("unmarked ")]
+    assert "unusable:" in line and "@xferkit.hookimpl" in line
+    assert _only("loopback").available
 
 
 def test_plugin_whose_entry_module_fails_to_import_is_listed_unusable(install):
@@ -305,7 +370,7 @@ def test_plugin_whose_entry_module_fails_to_import_is_listed_unusable(install):
         {"noimport": "noimport_entry"},
     )
     info = _only("noimport")
-    assert not info.available and info.distribution == "fakeplug-noimport"
+    assert not info.available and info.reason and info.distribution == "fakeplug-noimport"
     assert "mooncake_transfer_engine_not_installed" in info.reason
     assert "ModuleNotFoundError" in info.reason
     with pytest.raises(PluginError, match="mooncake_transfer_engine_not_installed"):
@@ -315,11 +380,7 @@ def test_plugin_whose_entry_module_fails_to_import_is_listed_unusable(install):
 
 def test_reset_forgets_uninstalled_plugins(install):
     """The fixture's cleanup relies on this: after removal and _reset, the plugin is gone."""
-    install.dist(
-        "fakeplug",
-        {"fakeplug_entry": _plugin("BackendSpec(name='fake', target='fakeplug_heavy:Driver')")},
-        {"fakeplug": "fakeplug_entry"},
-    )
+    _install_fake(install)
     assert _listed("fake")
     sys.path.remove(install.paths.pop())
     assert _listed("fake")  # cached until reset
@@ -335,3 +396,38 @@ def test_cli_lists_backends(capsys):
     (loopback,) = [line for line in lines if line.startswith("loopback ")]
     assert "xferkit-loopback" in loopback and loopback.endswith("usable")
     assert len(lines) == len(backends())
+
+
+# -- options ----------------------------------------------------------------------------------
+
+# What each built-in driver needs to start here (Mooncake over TCP needs no RDMA device).
+DRIVER_OPTIONS = {"loopback": {}, "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"}}
+
+
+@pytest.mark.parametrize("name", ["loopback", "mooncake", "nixl"])
+def test_an_unknown_option_is_an_option_error(name: str) -> None:
+    info = _only(name)
+    if not info.available:
+        pytest.skip(f"{name} is not usable here: {info.reason}")
+    with pytest.raises(OptionError, match="no_such_option") as exc:
+        open_backend(name, **DRIVER_OPTIONS.get(name, {}), no_such_option=1)
+    assert name in str(exc.value)
+    with open_backend(name, **DRIVER_OPTIONS.get(name, {})) as b:  # the same minus the typo works
+        assert b.name == name
+
+
+def test_an_unknown_option_of_a_third_party_driver_is_an_option_error(install):
+    _install_fake(install)
+    with pytest.raises(OptionError, match="flavor"):
+        open_backend("fake", flavor="spicy")  # the driver spells it "flavour"
+
+
+@pytest.mark.parametrize("value", [-1, "3", 2.5])
+@pytest.mark.parametrize("name", ["loopback", "mooncake", "nixl"])
+def test_a_bad_option_value_is_an_option_error(name: str, value: object) -> None:
+    """One error type for a bad value across drivers (max_batch: every driver takes it)."""
+    info = _only(name)
+    if not info.available:
+        pytest.skip(f"{name} is not usable here: {info.reason}")
+    with pytest.raises(OptionError, match="max_batch"):
+        open_backend(name, **DRIVER_OPTIONS.get(name, {}), max_batch=value)

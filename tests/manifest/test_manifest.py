@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -27,7 +28,7 @@ def region(
     slots: int = 4,
     slot_shape: tuple[int, ...] = (2, 8),
     itemsize: int = 2,
-    **kw: object,
+    **kw: Any,
 ) -> Region:
     """A region with a synthetic address (manifests never dereference it)."""
     return Region(
@@ -228,7 +229,7 @@ def test_build_drops_empty_regions_with_a_reason_and_keeps_them_out_of_every_vie
         with raises_naming(key_label(key)):
             m.index(key)
     assert m.keys == (kept.key,)
-    for view in (m.addrs, m.nbytes, m.item_nbytes, m.tp_dims, m.slots):
+    for view in (m.addrs, m.nbytes, m.slot_nbytes, m.tp_dims, m.slots):
         assert view.shape == (1,)
     assert m.addrs.tolist() == [0x1000]
     assert m.pools == {"kv": 4}  # the state pool had only the dropped region
@@ -388,15 +389,15 @@ def test_views_are_aligned_and_empties_never_reach_them(drawn: Regions) -> None:
     assert [d.key for d in m.dropped] == [r.key for r in gone]
     assert all(d.reason for d in m.dropped)
     assert len(m) == len(kept)
-    for view in (m.addrs, m.nbytes, m.item_nbytes, m.tp_dims, m.slots):
+    for view in (m.addrs, m.nbytes, m.slot_nbytes, m.tp_dims, m.slots):
         assert view.dtype == np.uint64 and view.shape == (len(kept),)
         assert not view.flags.writeable
     for i, r in enumerate(kept):
         assert m.keys[i] == (r.pool, r.name, r.layer, r.part)
         assert int(m.addrs[i]) == r.addr
         assert int(m.nbytes[i]) == r.nbytes
-        assert int(m.item_nbytes[i]) == math.prod(r.slot_shape) * r.itemsize
-        assert int(m.slots[i]) * int(m.item_nbytes[i]) == r.nbytes
+        assert int(m.slot_nbytes[i]) == math.prod(r.slot_shape) * r.itemsize
+        assert int(m.slots[i]) * int(m.slot_nbytes[i]) == r.nbytes
         assert int(m.tp_dims[i]) == (0 if r.tp_axis is None else r.slot_shape[r.tp_axis])
         assert m.index(r.key) == i
         assert m.region(r.key) is m.regions[i]
@@ -407,13 +408,13 @@ def test_views_are_aligned_and_empties_never_reach_them(drawn: Regions) -> None:
     assert back == m
     assert back.keys == m.keys
     assert back.dropped == m.dropped
-    for name in ("addrs", "nbytes", "item_nbytes", "tp_dims", "slots"):
+    for name in ("addrs", "nbytes", "slot_nbytes", "tp_dims", "slots"):
         assert np.array_equal(getattr(back, name), getattr(m, name))
 
 
 def test_views_are_read_only() -> None:
     m = Manifest.build([region("k", addr=0x1000), region("v", addr=0x2000)])
-    for view in (m.addrs, m.nbytes, m.item_nbytes, m.tp_dims, m.slots):
+    for view in (m.addrs, m.nbytes, m.slot_nbytes, m.tp_dims, m.slots):
         with pytest.raises(ValueError, match="read-only"):
             view[0] = 1
     assert isinstance(m.keys, tuple)

@@ -1,41 +1,47 @@
-"""Checks shared by the planner tests: independent of the planner's own arithmetic.
+"""Checks on descriptors and whole handoffs, independent of the planner's own arithmetic.
 
-The reference model (``xferkit.testing.Reference``) says which bytes must land
-where; the helpers here check the descriptors themselves (no zero length, each
-inside one region of the same key on both sides, no two mergeable, count equal
-to the number of maximal contiguous runs of the byte mapping).
+The reference model (``Reference``) says which bytes must land where; these
+helpers check the descriptors themselves (no zero length, each inside one
+region of the same key on both sides, no two mergeable, count equal to the
+number of maximal contiguous runs of the byte mapping) and ``handoff`` runs a
+whole request plan -> expand -> check -> write -> compare, through any writer
+(plain copies by default, or a real backend).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 
-from xferkit import Descriptors, Manifest, coverage
-from xferkit.testing import Reference, WriteCounter, execute
+from ..descriptors import Descriptors
+from ..manifest import Manifest
+from ..planner import coverage
+from .reference import Reference, WriteCounter, execute
 
 Request = Mapping[str, tuple[object, object]]
+"""A model-wide request: ``{pool: (source slots, destination slots)}``."""
 
-BYTE_LEVEL_LIMIT = 1 << 20  # bytes a brute-force byte mapping may expand to
+Writer = Callable[[int, int, Descriptors], object]
+"""``write(src_index, dst_index, descs)``: move ``descs`` from source rank to destination rank."""
+
+P = TypeVar("P")
+
+BYTE_LEVEL_LIMIT = 1 << 20
+"""Bytes a brute-force byte mapping may expand to; larger batches skip the run count."""
 
 
-def for_rank(m: Manifest, request: Request) -> dict:
+def for_rank(m: Manifest, request: Mapping[str, P]) -> dict[str, P]:
     """The part of a model-wide request that one destination rank (one PP stage) has pools for."""
     have = set(m.pools) | {k[0] for k in m.dropped_keys}
     return {pool: pair for pool, pair in request.items() if pool in have}
 
 
-def region_of(m: Manifest, addr: np.ndarray, nbytes: np.ndarray, side: str) -> np.ndarray:
-    """Index in ``m.regions`` of the region holding each [addr, addr+nbytes); asserts one does."""
-    starts = np.array([r.addr for r in m.regions], dtype=np.uint64)
-    ends = starts + np.array([r.nbytes for r in m.regions], dtype=np.uint64)
-    order = np.argsort(starts)
-    pos = np.searchsorted(starts[order], addr, side="right").astype(np.int64) - 1
-    assert (pos >= 0).all(), f"a {side} descriptor starts below every region"
-    idx = order[pos]
-    inside = (addr >= starts[idx]) & (addr + nbytes <= ends[idx])
-    bad = np.flatnonzero(~inside)
+def _regions(m: Manifest, addr: np.ndarray, nbytes: np.ndarray, side: str) -> np.ndarray:
+    """Index in ``m.regions`` of the region holding each piece; asserts one holds it whole."""
+    idx = m.locate(addr, nbytes)
+    bad = np.flatnonzero(idx < 0)
     assert not bad.size, (
         f"{side} descriptor {int(bad[0])} [{int(addr[bad[0]]):#x}, +{int(nbytes[bad[0]])}) "
         "is not inside one region"
@@ -69,17 +75,22 @@ def byte_runs(
 
 
 def check_descriptors(descs: Descriptors, src: Manifest, dst: Manifest) -> None:
-    """Shape, no zero length, one region of the same key per descriptor, minimal count."""
+    """Shape, no zero length, one region of the same key per descriptor, minimal count.
+
+    Minimal: no two descriptors could be merged, and (up to ``BYTE_LEVEL_LIMIT``
+    bytes) there are exactly as many as the byte mapping has maximal runs.
+    """
     for a in (descs.src, descs.dst, descs.nbytes):
         assert a.dtype == np.uint64 and a.ndim == 1 and a.shape == (len(descs),)
     if not len(descs):
         return
     assert (descs.nbytes > 0).all(), "zero-length descriptor"
-    si = region_of(src, descs.src, descs.nbytes, "source")
-    di = region_of(dst, descs.dst, descs.nbytes, "destination")
-    src_keys = [src.regions[i].key for i in si]
-    dst_keys = [dst.regions[i].key for i in di]
-    assert src_keys == dst_keys, "a descriptor pairs regions of different keys"
+    si = _regions(src, descs.src, descs.nbytes, "source")
+    di = _regions(dst, descs.dst, descs.nbytes, "destination")
+    # The destination region of each source region's key (per region, not per descriptor).
+    same_key = np.array([dst.index(k) if k in dst else -1 for k in src.keys], dtype=np.int64)
+    wrong = np.flatnonzero(same_key[si] != di)
+    assert not wrong.size, f"descriptor {int(wrong[0])} pairs regions of different keys"
     # No two descriptors could be merged: sorted by destination, no neighbours in the
     # same region contiguous on both sides.
     order = np.lexsort((descs.dst, di))
@@ -102,34 +113,43 @@ def requested_bytes(ref: Reference, dst_index: int, request: Request) -> int:
     return total
 
 
-def transfer(ref: Reference, full_request: Request) -> dict[int, dict[int, int]]:
-    """Plan, expand, check and execute the request into every destination rank.
+def _copy(src_index: int, dst_index: int, descs: Descriptors) -> None:
+    execute(descs)
+
+
+def handoff(ref: Reference, request: Request, write: Writer = _copy) -> dict[int, dict[int, int]]:
+    """Plan, expand, check and write ``request`` into every destination rank of ``ref``.
+
+    ``write(src_index, dst_index, descs)`` moves one source rank's descriptors
+    into one destination rank and returns once they landed: plain in-memory
+    copies by default; pass one that writes through a backend to test a driver
+    (``src_index``/``dst_index`` index ``ref.srcs``/``ref.dsts``).
 
     Returns ``{dst_index: {src_index: descriptor count}}``. Asserts everything
-    the planner promises: coverage succeeds, descriptors are well formed and
-    minimal, bytes moved equal the bytes requested, no byte is written twice,
-    the destination equals the reference (untouched outside the request) and
-    no source byte changes.
+    the planner promises: coverage names exactly the sources it plans,
+    descriptors are well formed and minimal, bytes moved equal the bytes
+    requested, no byte is written twice, each destination equals the
+    reference (untouched outside the request) and no source byte changes.
     """
     srcs = [r.manifest for r in ref.srcs]
     before = [r.snapshot() for r in ref.srcs]
     counter = WriteCounter(ref.dsts)
     counts: dict[int, dict[int, int]] = {}
     for di, rank in enumerate(ref.dsts):
-        request = for_rank(rank.manifest, full_request)
+        wanted = for_rank(rank.manifest, request)
         cov = coverage(srcs, rank.manifest)
         assert set(cov.plans) == set(cov.sources)
         counts[di] = {}
         moved = 0
         for si in cov.sources:
-            descs = cov.plans[si].expand(request)
+            descs = cov.plans[si].expand(wanted)
             check_descriptors(descs, srcs[si], rank.manifest)
             counter.record(descs)
-            execute(descs)
+            write(si, di, descs)
             moved += descs.total_bytes
             counts[di][si] = len(descs)
-        assert moved == requested_bytes(ref, di, request)
-        ref.check(di, request)
+        assert moved == requested_bytes(ref, di, wanted)
+        ref.check(di, wanted)
     assert counter.max <= 1, f"a destination byte was written {counter.max} times"
     for rank, snap in zip(ref.srcs, before, strict=True):
         for key, array in rank.arrays.items():

@@ -14,6 +14,7 @@ import time
 from drivers import require_nixl
 
 import xferkit as xk
+from xferkit.testing.conformance import drain_until
 from xferkit.testing.peer import Check, Drain, PeerProcess, Setup, Write
 from xferkit.testing.reference import Reference, RegionSpec
 
@@ -91,7 +92,7 @@ def test_prefill_processes_write_into_decode_ranks_here() -> None:
                 )
                 assert reply.ok, reply.error
             ref.check(i, REQUEST)
-            notes = _drain(backend, len(cov.sources))
+            notes = drain_until(backend, len(cov.sources), 30)
             assert sorted(n.message for n in notes) == sorted(
                 f"req-1 from {s}".encode() for s in cov.sources
             )
@@ -129,18 +130,10 @@ def test_prefill_ranks_here_write_into_decode_processes() -> None:
             deadline = time.monotonic() + 30
             while len(notes) < len(cov.sources) and time.monotonic() < deadline:
                 notes += proc.ask(Drain()).notes
-            assert sorted(notes) == sorted((srcs[s].agent_name, b"sent") for s in cov.sources)
+            want = [(f"nixl:{srcs[s].driver.address}", b"sent") for s in cov.sources]
+            assert sorted(notes) == sorted(want)  # the sender as its peers name it
     finally:
         for proc in procs.values():
             proc.close()
         for backend in srcs:
             backend.close()
-
-
-def _drain(backend: xk.Backend, count: int, timeout: float = 30.0) -> list[xk.Notification]:
-    notes: list[xk.Notification] = []
-    deadline = time.monotonic() + timeout
-    while len(notes) < count and time.monotonic() < deadline:
-        notes += backend.notifications()
-        time.sleep(0.001)
-    return notes

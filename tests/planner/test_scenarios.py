@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from checks import transfer
 
 from xferkit import coverage
-from xferkit.testing import Reference, RegionSpec
+from xferkit.testing import Reference, RegionSpec, handoff
 
 # -- (1) short-conv hybrid --------------------------------------------------
 
@@ -60,14 +59,14 @@ def test_short_conv_hybrid_manifests_drop_exactly_the_degenerate_entries() -> No
         assert all("0 bytes" in d.reason for d in m.dropped)
         # The registration views: 252 entries, aligned with the regions, no empty one.
         assert len(m) == 252
-        for view in (m.addrs, m.nbytes, m.item_nbytes, m.tp_dims, m.slots):
+        for view in (m.addrs, m.nbytes, m.slot_nbytes, m.tp_dims, m.slots):
             assert view.shape == (252,)
         assert len(m.keys) == 252 and not temporal & set(m.keys)
         for i, key in enumerate(m.keys):
             array = rank.arrays[key]
             assert int(m.addrs[i]) == array.ctypes.data
             assert int(m.nbytes[i]) == array.nbytes > 0
-            assert int(m.item_nbytes[i]) == array[0].nbytes
+            assert int(m.slot_nbytes[i]) == array[0].nbytes
             assert int(m.tp_dims[i]) == CONV_CHANNELS // 2
 
 
@@ -98,7 +97,7 @@ def test_short_conv_hybrid_transfer(src_tp: int, dst_tp: int, expected: dict) ->
         seed=1,
     )
     request = {"state": (np.array([2, 0, 1]), np.array([5, 0, 4]))}
-    assert transfer(ref, request) == expected
+    assert handoff(ref, request) == expected
 
 
 # -- (2) GDN hybrid ---------------------------------------------------------
@@ -186,7 +185,7 @@ def test_gdn_hybrid(conv_layout: str, src_tp: int, dst_tp: int) -> None:
                     i for i, p in cov.plans.items() if p.pieces(("kv", "k", layer, 0)).src.size
                 ]
                 assert len(writers) == 1
-    transfer(ref, request)
+    handoff(ref, request)
 
 
 # -- (3) GQA KV -------------------------------------------------------------
@@ -248,7 +247,7 @@ def test_gqa_kv_to_decode_tp_8(layout: str, src_tp: int, request_: tuple, per_so
         dst_slots={"kv": 16},
         seed=3,
     )
-    counts = transfer(ref, {"kv": request_})
+    counts = handoff(ref, {"kv": request_})
     for d in range(8):
         (source,) = counts[d]  # exactly one source rank feeds each destination rank
         if src_tp == 4:
@@ -274,7 +273,7 @@ def test_gqa_kv_gather_8_to_4(layout: str, per_source: int) -> None:
     ref = Reference(
         gqa_specs(layout), src_tp=8, dst_tp=4, src_slots={"kv": 16}, dst_slots={"kv": 16}, seed=4
     )
-    counts = transfer(ref, {"kv": CONTIGUOUS})
+    counts = handoff(ref, {"kv": CONTIGUOUS})
     assert counts == {d: {2 * d: per_source, 2 * d + 1: per_source} for d in range(4)}
 
 

@@ -1,0 +1,324 @@
+"""Mooncake-specific behaviour beyond the conformance kit, on the real engine over TCP."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="mooncake is not installed or cannot load")
+
+import xferkit as xk
+from xferkit.driver import rdma_devices
+from xferkit.testing.conformance import (
+    DST_SLOTS,
+    REQUEST,
+    SRC_SLOTS,
+    drain_until,
+    gdn_hybrid_specs,
+)
+from xferkit.testing.reference import Reference
+from xferkit_mooncake import engine as mc_engine
+from xferkit_mooncake.backend import MooncakeDriver
+
+OPTIONS = {"protocol": "tcp", "hostname": "127.0.0.1"}
+WAIT_S = 10.0
+
+Pair = tuple[xk.Backend, xk.Backend, xk.Peer, np.ndarray, np.ndarray]
+
+
+def _open(**extra: Any) -> xk.Backend:
+    return xk.open_backend("mooncake", **{**OPTIONS, **extra})
+
+
+def _driver(backend: xk.Backend) -> MooncakeDriver:
+    driver = backend.driver
+    assert isinstance(driver, MooncakeDriver)
+    return driver
+
+
+def _region(array: np.ndarray, name: str) -> xk.Region:
+    return xk.Region.from_array(array, pool=name, name=name, layer=0)
+
+
+class _EngineSpy:
+    """The real engine, with the registration calls it receives written down."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.sizes: list[int] = []
+
+    def batch_register_memory(self, addrs: list[int], sizes: list[int], *args: Any) -> int:
+        self.sizes += sizes
+        return int(self._engine.batch_register_memory(addrs, sizes, *args))
+
+    def register_memory(self, addr: int, size: int, *args: Any) -> int:
+        self.sizes.append(size)
+        return int(self._engine.register_memory(addr, size, *args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    src = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    dst = np.zeros(8 << 20, dtype=np.uint8)
+    a, b = _open(), _open()
+    a.register(xk.Manifest.build([_region(src, "src")]))
+    b.register(xk.Manifest.build([_region(dst, "dst")]))
+    assert b.manifest is not None
+    peer = a.connect(b.endpoint(), b.manifest)
+    yield a, b, peer, src, dst
+    a.close()
+    b.close()
+
+
+def _blocks(src: np.ndarray, dst: np.ndarray, n: int, size: int) -> xk.Descriptors:
+    order = np.random.default_rng(n).permutation(n).astype(np.uint64)
+    offs = np.arange(n, dtype=np.uint64) * np.uint64(size)
+    return xk.Descriptors(
+        np.uint64(src.ctypes.data) + offs,
+        np.uint64(dst.ctypes.data) + order * np.uint64(size),
+        np.full(n, size, dtype=np.uint64),
+    )
+
+
+def _expect(src: np.ndarray, dst: np.ndarray, d: xk.Descriptors) -> None:
+    """``_blocks`` moved equal-sized blocks: compare them all at once."""
+    size = int(d.nbytes[0])
+    s = ((d.src - np.uint64(src.ctypes.data)) // np.uint64(size)).astype(np.int64)
+    t = ((d.dst - np.uint64(dst.ctypes.data)) // np.uint64(size)).astype(np.int64)
+    np.testing.assert_array_equal(dst.reshape(-1, size)[t], src.reshape(-1, size)[s])
+
+
+def _lanes(segment: str, settle: float = 5) -> int:
+    """Worker threads running towards ``segment``, once those told to stop have ended."""
+    deadline = time.monotonic() + settle
+    while True:
+        lanes = [t for t in threading.enumerate() if t.name == f"xferkit-mooncake-{segment}"]
+        if len(lanes) <= 1 or time.monotonic() >= deadline:
+            return len(lanes)
+        time.sleep(0.01)
+
+
+def test_empty_state_entries_register_and_transfer_cleanly() -> None:
+    """GDN hybrid with empty short-conv entries: Mooncake never sees a zero-length region."""
+    ref = Reference(
+        gdn_hybrid_specs(), src_tp=1, dst_tp=1, src_slots=SRC_SLOTS, dst_slots=DST_SLOTS
+    )
+    src_rank, dst_rank = ref.srcs[0], ref.dsts[0]
+    assert src_rank.manifest.dropped and dst_rank.manifest.dropped  # the sconv entries
+    with _open() as a, _open() as b:
+        spies = []
+        for x in (a, b):
+            spy = _EngineSpy(_driver(x).engine)
+            _driver(x).engine = spy
+            spies.append(spy)
+        a.register(src_rank.manifest)
+        b.register(dst_rank.manifest)
+        for spy, m in zip(spies, (src_rank.manifest, dst_rank.manifest), strict=True):
+            assert spy.sizes == [r.nbytes for r in m.regions] and min(spy.sizes) > 0
+        peer = a.connect(b.endpoint(), dst_rank.manifest)
+        descs = xk.plan(src_rank.manifest, dst_rank.manifest).expand(REQUEST)
+        a.write(peer, descs, notify=b"req").wait(30)
+        ref.check(0, REQUEST)
+        assert [n.message for n in drain_until(b, 1, WAIT_S)] == [b"req"]
+
+
+def test_binary_notifications_roundtrip(pair: Pair) -> None:
+    a, b, peer, _, _ = pair
+    payloads = [b"\x00\xff", bytes(range(256)), b"", "é€".encode(), bytes(64 << 10)]
+    for p in payloads:
+        a.write(peer, xk.Descriptors.empty(), notify=p).wait(10)
+    notes = drain_until(b, len(payloads), WAIT_S)
+    assert [n.message for n in notes] == payloads
+    # The sender's segment, exactly as the receiver's Peer for it is named.
+    assert {n.peer for n in notes} == {f"mooncake:{_driver(a).address}"}
+    assert a.manifest is not None
+    assert b.connect(a.endpoint(), a.manifest).name == notes[0].peer
+
+
+def test_a_notification_alone_needs_no_registered_memory() -> None:
+    """The zero-length entry carrying it has anchors even when neither side registered any."""
+    empty = xk.Manifest.build([])
+    with _open() as a, _open() as b:
+        a.register(empty)
+        b.register(empty)
+        a.write(a.connect(b.endpoint(), empty), xk.Descriptors.empty(), notify=b"hi").wait(10)
+        assert [n.message for n in drain_until(b, 1, WAIT_S)] == [b"hi"]
+
+
+def test_large_writes_split_under_the_engine_limit_with_the_notification_last(pair: Pair) -> None:
+    a, b, peer, src, dst = pair
+    assert a.capabilities.max_batch == 1024
+    d = _blocks(src, dst, 3000, 512)  # three engine batches; raw, 3000 entries would fail
+    a.write(peer, d, notify=b"last").wait(30)
+    _expect(src, dst, d)
+    assert [n.message for n in drain_until(b, 1, WAIT_S)] == [b"last"]
+
+
+def test_poll_never_blocks(pair: Pair) -> None:
+    a, _, peer, src, dst = pair
+    d = _blocks(src, dst, 2048, 4096)  # two engine batches, a few hundred ms over tcp
+    began = time.perf_counter()
+    t = a.write(peer, d)
+    times: list[float] = []
+    while True:
+        start = time.perf_counter()
+        st = t.poll()
+        times.append(time.perf_counter() - start)
+        if st is not xk.Status.PENDING:
+            break
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - began
+    assert st is xk.Status.DONE
+    # poll() came back again and again while the data moved, typically in a tiny fraction
+    # of the transfer. The median, relative to the transfer, so that one scheduler or GC
+    # hiccup on a loaded machine cannot decide it.
+    typical = sorted(times)[len(times) // 2]
+    assert len(times) > 3 and typical < elapsed / 20, (len(times), typical, elapsed)
+    _expect(src, dst, d)
+
+
+def test_one_lane_per_connection_stopped_with_its_last_peer(pair: Pair) -> None:
+    a, b, peer, src, dst = pair
+    segment = _driver(b).address
+    assert _lanes(segment) == 1
+    assert b.manifest is not None
+    again = a.connect(b.endpoint(), b.manifest)  # the core counts: the same connection
+    assert _lanes(segment) == 1
+    a.disconnect(peer)
+    d = _blocks(src, dst, 4, 4096)
+    a.write(again, d).wait(30)  # the lane still serves the other peer
+    _expect(src, dst, d)
+    a.disconnect(again)
+    deadline = time.monotonic() + 5
+    while _lanes(segment) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _lanes(segment) == 0
+
+
+def test_a_new_endpoint_from_the_same_segment_gets_its_own_lane(pair: Pair) -> None:
+    """The core connects the new blob before it retires the old link: lanes are per link."""
+    a, b, old, src, dst = pair
+    segment = _driver(b).address
+    b.deregister()
+    moved = np.zeros_like(dst)
+    m = xk.Manifest.build([_region(moved, "dst")])
+    b.register(m)  # another anchor: a changed endpoint for the same segment
+    peer = a.connect(b.endpoint(), m)
+    d = _blocks(src, moved, 16, 4096)
+    a.write(peer, d, notify=b"moved").wait(30)
+    _expect(src, moved, d)
+    assert [n.message for n in drain_until(b, 1, WAIT_S)] == [b"moved"]
+    with pytest.raises(xk.TransferError, match="stale"):
+        a.write(old, d)
+    assert _lanes(segment) == 1
+
+
+def test_same_peer_recovers_after_refusing_a_write(pair: Pair) -> None:
+    """No blacklist, in our layer or the engine's: even after a full 1024-entry batch."""
+    a, b, peer, src, dst = pair
+    a.write(peer, _blocks(src, dst, 1024, 256)).wait(30)
+    m = b.manifest
+    assert m is not None
+    b.deregister()  # the peer stops accepting writes into that memory
+    d = _blocks(src, dst, 4, 4096)
+    with pytest.raises(xk.TransferError) as info:
+        a.write(peer, d).wait(30)
+    text = str(info.value)
+    assert _driver(b).address in text and "-1" in text and "refused the write" in text
+    b.register(m)
+    dst[:] = 0
+    a.write(peer, d).wait(30)  # same peer, same segment: works again
+    _expect(src, dst, d)
+
+
+def test_dead_peer_then_a_new_one(pair: Pair) -> None:
+    a, b, peer, src, dst = pair
+    m, segment = b.manifest, _driver(b).address
+    assert m is not None
+    b.close()
+    d = _blocks(src, dst, 8, 4096)
+    with pytest.raises(xk.TransferError) as info:
+        a.write(peer, d).wait(30)
+    assert segment in str(info.value) and "ERR_SOCKET" in str(info.value)
+    with _open() as b2:
+        b2.register(m)
+        a.write(a.connect(b2.endpoint(), m), d).wait(30)
+    _expect(src, dst, d)
+
+
+def test_registration_failure_names_the_region_and_the_engine_code() -> None:
+    bufs = [np.zeros(4096, np.uint8) for _ in range(3)]
+    m = xk.Manifest.build([_region(x, f"r{i}") for i, x in enumerate(bufs)])
+    with _open() as a:
+        engine = _driver(a).engine
+        assert engine.register_memory(bufs[2].ctypes.data, 4096) == 0  # behind the core
+        with pytest.raises(xk.RegistrationError) as info:
+            a.register(m)
+        text = str(info.value)
+        assert "r2" in text and "entry #3" in text and "ERR_ADDRESS_OVERLAPPED" in text
+        assert "overlapped memory region" in text  # Mooncake's own words
+        assert engine.unregister_memory(bufs[2].ctypes.data) == 0
+        a.register(m)  # the first two were rolled back
+        assert a.manifest is m
+
+
+def test_protocol_mismatch_is_refused_at_connect() -> None:
+    """A real rdma engine (it starts without a NIC) advertises its protocol; tcp refuses it."""
+    empty = xk.Manifest.build([])
+    with _open() as a, _open(protocol="rdma") as b:
+        b.register(empty)
+        with pytest.raises(xk.ProtocolError, match="speaks rdma"):
+            a.connect(b.endpoint(), empty)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_batch": 4096},
+        {"max_batch": 0},
+        {"max_batch": True},
+        {"protocol": "carrier-pigeon"},
+        {"device": 0},
+        {"hostname": ""},
+        {"notifications": "yes"},
+    ],
+)
+def test_bad_options_are_option_errors(options: dict[str, Any]) -> None:
+    with pytest.raises(xk.OptionError, match=next(iter(options))):
+        _open(**options)
+
+
+def test_notifications_can_be_declined() -> None:
+    with _open(notifications=False) as a:
+        assert not a.capabilities.notifications
+
+
+def test_default_protocol_follows_rdma_devices(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="xferkit.mooncake")
+    assert mc_engine.pick_protocol(None, rdma_devices(str(tmp_path / "absent"))) == "tcp"
+    (tmp_path / "mlx5_0").mkdir()
+    assert mc_engine.pick_protocol(None, rdma_devices(str(tmp_path))) == "rdma"
+    assert mc_engine.pick_protocol("tcp", rdma_devices(str(tmp_path))) == "tcp"
+    assert "protocol tcp (no RDMA device" in caplog.text
+    assert "protocol rdma (RDMA devices" in caplog.text and "mlx5_0" in caplog.text
+
+
+def test_close_finds_the_handshake_listener() -> None:
+    """The fast teardown (see engine.stop) must find the socket it shortens."""
+    with _open() as a:
+        port = int(_driver(a).address.rsplit(":", 1)[1])
+        sock = mc_engine._listening_socket(port)
+        assert sock is not None
+        sock.close()

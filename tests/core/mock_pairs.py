@@ -1,0 +1,105 @@
+"""Shared set-up for the core's tests: backends on ``MockDriver``, buffers, forged endpoints.
+
+Every fault is chosen by a ``MockDriver`` handler and every primitive the core
+called is read back from the driver's ``calls``; nothing is monkeypatched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from xferkit import Backend, Descriptors, Manifest, Notification, Peer, Region
+from xferkit.testing.mock import Handler, MockDriver
+
+WAIT_S = 10.0
+
+
+def buffer(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def manifest(arrays: list[np.ndarray], name: str) -> Manifest:
+    """One region per array, in pools p0, p1, ... (labels ``p{i}/{name}[0]``)."""
+    return Manifest.build(
+        [Region.from_array(a, pool=f"p{i}", name=name, layer=0) for i, a in enumerate(arrays)]
+    )
+
+
+def descs(src: list[int], dst: list[int], nbytes: list[int]) -> Descriptors:
+    return Descriptors(*(np.array(x, dtype=np.uint64) for x in (src, dst, nbytes)))
+
+
+def mock(backend: Backend) -> MockDriver:
+    """The MockDriver behind ``backend``."""
+    driver = backend.driver
+    assert isinstance(driver, MockDriver)
+    return driver
+
+
+def posted(backend: Backend) -> list[Any]:
+    """Every post and notify the core made on ``backend``'s driver, in order."""
+    return [c for c in mock(backend).calls if c.op in ("post", "notify")]
+
+
+def drain(backend: Backend, count: int, timeout: float = WAIT_S) -> list[Notification]:
+    notes: list[Notification] = []
+    deadline = time.monotonic() + timeout
+    while len(notes) < count and time.monotonic() < deadline:
+        notes += backend.notifications(timeout=0.01)
+    return notes
+
+
+def forged(endpoint: bytes, blob: dict[str, Any] | None = None, **envelope: Any) -> bytes:
+    """``endpoint`` re-encoded with some envelope fields (and/or the driver blob) replaced."""
+    fields = msgspec.msgpack.decode(endpoint)
+    assert isinstance(fields, dict) and isinstance(fields["blob"], dict)
+    fields.update(envelope)
+    if blob is not None:
+        fields["blob"] = blob
+    return msgspec.msgpack.encode(fields)
+
+
+@dataclass
+class Pair:
+    """``a`` writes into ``b``'s ``dst`` from its own ``src`` through ``peer``."""
+
+    a: Backend
+    b: Backend
+    src: np.ndarray
+    dst: np.ndarray
+    peer: Peer
+
+    @property
+    def driver(self) -> MockDriver:
+        return mock(self.a)
+
+    def descs(self, count: int, size: int) -> tuple[Descriptors, np.ndarray]:
+        """``count`` pieces of ``size`` bytes, written in reverse order; and the dst expected."""
+        s0, d0 = self.src.ctypes.data, self.dst.ctypes.data
+        src = [s0 + i * size for i in range(count)]
+        dst = [d0 + (count - 1 - i) * size for i in range(count)]
+        want = self.dst.copy()
+        for i in range(count):
+            j = count - 1 - i
+            want[j * size : (j + 1) * size] = self.src[i * size : (i + 1) * size]
+        return descs(src, dst, [size] * count), want
+
+
+@contextlib.contextmanager
+def mock_pair(
+    handler: Handler | None = None, *, size: int = 1 << 16, **options: Any
+) -> Iterator[Pair]:
+    """Two connected mock backends; ``a`` (the writer) runs ``handler``; both take ``options``."""
+    with Backend(MockDriver(handler, **options)) as a, Backend(MockDriver(**options)) as b:
+        src, dst = buffer(size, 1), buffer(size, 2)
+        a.register(manifest([src], "src"))
+        b.register(manifest([dst], "dst"))
+        assert b.manifest is not None
+        yield Pair(a, b, src, dst, a.connect(b.endpoint(), b.manifest))

@@ -1,0 +1,90 @@
+"""Notifications: named after their sender, waited for on request, refused when undeclared."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mock_pairs import WAIT_S, drain, mock_pair, posted
+
+from xferkit import CapabilityError, TransferError, XferError
+from xferkit.testing.mock import Call
+
+
+def test_a_notification_names_its_sender_as_the_senders_peers_are_named() -> None:
+    with mock_pair(notifications=True) as pair:
+        pair.a.write(pair.peer, pair.descs(2, 64)[0], notify=b"req-3").wait(WAIT_S)
+        (note,) = drain(pair.b, 1)
+        assert note.message == b"req-3"
+        assert note.peer == f"mock:{pair.a.driver.address}"
+        # The receiver's own peer for the sender has that name too: it can answer the sender.
+        assert pair.a.manifest is not None
+        back = pair.b.connect(pair.a.endpoint(), pair.a.manifest)
+        assert back.name == note.peer
+
+
+def test_notifications_wait_for_the_timeout_then_return() -> None:
+    with mock_pair(notifications=True) as pair:
+        start = time.monotonic()
+        assert pair.b.notifications(timeout=0.2) == []
+        assert 0.2 <= time.monotonic() - start < 2  # it waited, and not much longer
+        start = time.monotonic()
+        assert pair.b.notifications() == []  # no timeout: no wait
+        assert pair.b.notifications(timeout=0) == []
+        assert time.monotonic() - start < 0.1
+
+
+def test_notifications_return_as_soon_as_one_arrives() -> None:
+    with mock_pair(notifications=True) as pair:
+        send = threading.Timer(
+            0.2, lambda: pair.a.write(pair.peer, pair.descs(1, 8)[0], notify=b"late")
+        )
+        start = time.monotonic()
+        send.start()
+        try:
+            notes = pair.b.notifications(timeout=WAIT_S)
+        finally:
+            send.join()
+        took = time.monotonic() - start
+        assert [n.message for n in notes] == [b"late"]
+        assert 0.15 <= took < WAIT_S / 2  # woke on arrival, not at the deadline
+
+
+@pytest.mark.parametrize("timeout", [-1, "1", float("nan"), True])
+def test_a_bad_timeout_is_an_xfer_error(timeout: object) -> None:
+    with mock_pair(notifications=True) as pair, pytest.raises(XferError, match="timeout"):
+        pair.b.notifications(timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_notify_without_the_capability_is_refused_before_posting() -> None:
+    with mock_pair(notifications=False) as pair:
+        before = pair.dst.copy()
+        with pytest.raises(CapabilityError, match="notifications"):
+            pair.a.write(pair.peer, pair.descs(2, 64)[0], notify=b"done")
+        assert posted(pair.a) == []
+        assert (pair.dst == before).all()
+        with pytest.raises(CapabilityError):
+            pair.b.notifications()
+        pair.a.write(pair.peer, pair.descs(2, 64)[0]).wait(WAIT_S)  # without notify it works
+        assert len(posted(pair.a)) == 1
+
+
+def test_a_notification_is_bytes() -> None:
+    with mock_pair(notifications=True) as pair:
+        with pytest.raises(TransferError, match="bytes, not str"):
+            pair.a.write(pair.peer, pair.descs(1, 8)[0], notify="done")  # type: ignore[arg-type]
+        assert posted(pair.a) == []
+
+
+def test_a_driver_failing_to_receive_is_an_xfer_error() -> None:
+    broken = OSError(9, "Bad file descriptor")
+
+    def handler(call: Call) -> None:
+        if call.op == "notifications":
+            raise broken
+
+    with mock_pair(handler, notifications=True) as pair:
+        with pytest.raises(TransferError, match="receiving notifications failed") as info:
+            pair.a.notifications()
+        assert info.value.__cause__ is broken

@@ -1,0 +1,131 @@
+"""A Transfer as the engine holds it: abort, wait, and polls from several threads."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from mock_pairs import WAIT_S, buffer, descs, drain, manifest, mock_pair, posted
+
+import xferkit as xk
+from xferkit import Status, TransferError, XferError
+from xferkit.testing.mock import STALL, Call
+
+
+def _stalling(call: Call) -> str | None:
+    return STALL if call.op == "post" and call.count == 1 else None
+
+
+def test_abort_ends_a_pending_write_as_failed_and_posts_nothing_more() -> None:
+    with mock_pair(_stalling, max_batch=2, notifications=True) as pair:
+        before = pair.dst.copy()
+        t = pair.a.write(pair.peer, pair.descs(5, 64)[0], notify=b"never")
+        assert t.poll() is Status.PENDING and len(posted(pair.a)) == 2
+        t.abort()
+        assert t.poll() is Status.FAILED
+        assert isinstance(t.error, TransferError)
+        assert "aborted by the caller" in str(t.error) and pair.peer.name in str(t.error)
+        with pytest.raises(TransferError, match="aborted by the caller"):
+            t.wait(WAIT_S)
+        assert len(posted(pair.a)) == 2  # the notified batch never went out
+        assert pair.b.notifications() == []
+        t.abort("again")  # a terminal state is final
+        assert "again" not in str(t.error)
+        # The second batch (done) landed; the stalled first never did.
+        assert not np.array_equal(pair.dst, before)
+        # An aborted transfer is no longer in flight: close has nothing to wait for.
+        start = time.monotonic()
+        pair.a.close()
+        assert time.monotonic() - start < 1
+
+
+def test_abort_after_done_changes_nothing() -> None:
+    with mock_pair() as pair:
+        t = pair.a.write(pair.peer, pair.descs(2, 64)[0])
+        t.wait(WAIT_S)
+        t.abort("too late")
+        assert t.poll() is Status.DONE and t.error is None
+
+
+@pytest.mark.parametrize("timeout", [-1, "1", float("nan")])
+def test_wait_refuses_a_bad_timeout(timeout: object) -> None:
+    with mock_pair(_stalling) as pair:
+        t = pair.a.write(pair.peer, pair.descs(1, 64)[0])
+        with pytest.raises(XferError, match="timeout"):
+            t.wait(timeout)  # type: ignore[arg-type]
+
+
+def test_a_transfer_reports_its_size() -> None:
+    with mock_pair() as pair:
+        t = pair.a.write(pair.peer, pair.descs(3, 100)[0])
+        assert (t.descriptors, t.nbytes) == (3, 300)
+        assert t.peer is pair.peer
+
+
+def _poll_until_done(t: xk.Transfer, start: threading.Barrier, errors: list[BaseException]) -> None:
+    start.wait()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while t.poll() is Status.PENDING and time.monotonic() < deadline:
+            pass
+    except BaseException as exc:  # reported by the main thread
+        errors.append(exc)
+
+
+@pytest.fixture
+def frequent_switches() -> Iterator[None]:
+    """Switch threads every microsecond: races show up instead of hiding behind the GIL."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@pytest.mark.usefixtures("frequent_switches")
+def test_polls_from_several_threads_post_the_notified_batch_once() -> None:
+    """Threads race to post the last batch when the others complete: exactly one may.
+
+    The loopback completes batches on its own worker thread, so the moment the
+    last batch becomes due arrives while the pollers spin (the mock completes
+    at once, inside ``write``, leaving nothing to race for).
+    """
+    threads_n, rounds = 8, 20
+    with xk.open_backend("loopback", max_batch=1) as a, xk.open_backend("loopback") as b:
+        src, dst = buffer(1 << 14, 1), buffer(1 << 14, 2)
+        a.register(manifest([src], "src"))
+        b.register(manifest([dst], "dst"))
+        assert b.manifest is not None
+        peer = a.connect(b.endpoint(), b.manifest)
+        s0, d0 = src.ctypes.data, dst.ctypes.data
+        for r in range(rounds):
+            dst[:] = 0
+            t = a.write(
+                peer,
+                descs(
+                    [s0 + 64 * i for i in range(16)], [d0 + 64 * i for i in range(16)], [64] * 16
+                ),
+                notify=b"r%d" % r,
+            )
+            start = threading.Barrier(threads_n)
+            errors: list[BaseException] = []
+            pollers = [
+                threading.Thread(target=_poll_until_done, args=(t, start, errors))
+                for _ in range(threads_n)
+            ]
+            for p in pollers:
+                p.start()
+            for p in pollers:
+                p.join()
+            assert errors == []
+            assert t.poll() is Status.DONE and t.error is None
+            np.testing.assert_array_equal(dst[: 64 * 16], src[: 64 * 16])
+            notes = drain(b, 1)
+            time.sleep(0.01)
+            notes += b.notifications()
+            assert [n.message for n in notes] == [b"r%d" % r]  # one notified batch, one message
