@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_loopback.py
 	$(BIN)/python benchmarks/bench_mooncake.py
 	$(BIN)/python benchmarks/bench_nixl.py
+	$(BIN)/python benchmarks/bench_registration.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

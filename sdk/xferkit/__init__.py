@@ -24,6 +24,7 @@ from .errors import (
 from .manifest import Dropped, Manifest, Region, RegionKey, key_label
 from .planner import Coverage, Plan, coverage, plan
 from .plugins import BackendInfo, backends, open_backend
+from .session import Receive, RequestError, Send, Session, SessionKeys, State
 from .transfer import Transfer
 
 try:
@@ -48,9 +49,15 @@ __all__ = [
     "PlanError",
     "PluginError",
     "ProtocolError",
+    "Receive",
     "Region",
     "RegionKey",
     "RegistrationError",
+    "RequestError",
+    "Send",
+    "Session",
+    "SessionKeys",
+    "State",
     "Status",
     "Transfer",
     "TransferError",

@@ -24,6 +24,7 @@ from typing import Any, NoReturn, final
 import msgspec
 import numpy as np
 
+from .closing import Closing
 from .descriptors import Descriptors
 from .driver import CONTRACT_VERSION, Capabilities, Driver, Notification, Posted, Status
 from .errors import (
@@ -82,7 +83,7 @@ class Peer:
 
 
 @final
-class Backend:
+class Backend(Closing):
     """A transfer driver behind the core's guards. Use as a context manager.
 
     Open one with ``xferkit.open_backend(name, **options)``; driver authors
@@ -182,10 +183,18 @@ class Backend:
         raise error
 
     def deregister(self) -> None:
-        """End every transfer, then release every registered region; again, it does nothing."""
+        """End every transfer, then release every registered region; again, it does nothing.
+
+        If a driver still runs a batch ``DRAIN_S`` after it was aborted, nothing is
+        released (the engine may still touch that memory): the error says so, the
+        manifest stays registered, and a later call tries again.
+        """
         if self._manifest is None:
             return
-        first = self._end_transfers(self._inflight, "the local memory is being deregistered")
+        stuck = self._end_transfers(self._inflight, "the local memory is being deregistered")
+        if stuck is not None:
+            raise stuck
+        first: XferError | None = None
         manifest, self._manifest = self._manifest, None
         for r in reversed(manifest.regions):
             try:
@@ -434,14 +443,11 @@ class Backend:
                 step()
             except Exception as exc:
                 first = keep_first(first, self._wrap(exc, "closing"))
+        if self._manifest is not None:  # a batch never ended: its memory must outlive us
+            for t in self._inflight:
+                t._keepalive = self._manifest
         if first is not None:
             raise first
-
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _end_transfers(self, transfers: set[Transfer], why: str) -> XferError | None:
         """Abort ``transfers``; return once none can touch memory (bounded by ``DRAIN_S``)."""

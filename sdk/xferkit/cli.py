@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also import each usable driver and check its class (slower: imports the drivers)",
     )
+    keygen = sub.add_parser(
+        "keygen", help="write a CurveZMQ key pair (NAME.key, NAME.key_secret) for Sessions"
+    )
+    keygen.add_argument("directory")
+    keygen.add_argument("--name", default="xferkit", help="file name stem (default: xferkit)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -42,6 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         for b in backends(check=args.check):
             state = "usable" if b.available else f"unusable: {b.reason}"
             print(f"{b.name:<12}{b.distribution} {b.version:<10}{state}")
+        return 0
+    if args.command == "keygen":
+        from .errors import XferError
+        from .session.keys import keygen as write_pair
+
+        try:
+            public, secret = write_pair(args.directory, args.name)
+        except (OSError, XferError) as exc:
+            print(f"xferkit keygen: {exc}", file=sys.stderr)
+            return 2
+        print(f"public key: {public}\nsecret key: {secret} (keep it private)")
         return 0
     return 2
 

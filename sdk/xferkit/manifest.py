@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from .errors import ManifestError
 from .sharding import AxisLayout, axis_layout
@@ -280,7 +281,7 @@ class AddressTable:
 
     __slots__ = ("last", "order", "starts")
 
-    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray) -> None:
+    def __init__(self, addrs: npt.ArrayLike, nbytes: npt.ArrayLike) -> None:
         addrs = np.asarray(addrs, dtype=np.uint64)
         self.order = np.argsort(addrs, kind="stable")
         self.starts = addrs[self.order]
@@ -299,10 +300,8 @@ class AddressTable:
         addrs = np.asarray(addrs, dtype=np.uint64)
         where = self.starts.searchsorted(addrs, side="right")
         where -= 1
-        if nbytes is None:
-            end = addrs
-        else:  # a zero-length range would wrap below its start: it lies in none
-            end = addrs + (np.asarray(nbytes, dtype=np.uint64) - _ONE)
+        # A zero-length range would wrap below its start: it lies in none.
+        end = addrs if nbytes is None else addrs + (np.asarray(nbytes, dtype=np.uint64) - _ONE)
         inside = end <= self.last[where]
         inside &= end >= addrs
         inside &= where >= 0

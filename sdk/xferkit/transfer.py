@@ -63,6 +63,7 @@ class Transfer:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._lock = threading.RLock()
+        self._keepalive: object = None  # memory a closed backend could not release yet
         with self._lock:
             self._advance()
 

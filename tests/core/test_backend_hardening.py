@@ -43,6 +43,7 @@ def test_an_unlocked_seal_cannot_be_forged() -> None:
                 root = root.base
             with pytest.raises(ValueError):
                 root.setflags(write=True)
+            assert isinstance(array.base, bytes)  # immutable memory
             with pytest.raises(ValueError):
                 np.frombuffer(array.base, dtype=np.uint64)[0] = 1 << 40
             with pytest.raises(ValueError):
@@ -164,3 +165,37 @@ def test_a_driver_that_never_lets_go_makes_abort_raise_not_hang() -> None:
         assert t.poll() is Status.PENDING  # not terminal: the driver may still write
         a.driver.handles[0]._status = Status.FAILED  # type: ignore[attr-defined]
         assert t.poll() is Status.FAILED
+
+
+def test_deregister_keeps_memory_registered_while_a_driver_still_runs_a_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Releasing memory under a running batch would let the engine touch freed memory."""
+    import xferkit.backend as core
+
+    monkeypatch.setattr(core, "DRAIN_S", 0.05)
+
+    class Stuck(MockDriver):
+        def post(self, link: Any, d: xk.Descriptors, notify: bytes | None) -> xk.driver.Posted:
+            posted_batch = super().post(link, d, notify)
+            posted_batch.release = lambda: None  # type: ignore[method-assign]
+            return posted_batch
+
+    def stall(call: Call) -> str | None:
+        return STALL if call.op == "post" else None
+
+    with Backend(MockDriver()) as b:
+        a = Backend(Stuck(stall))
+        src, dst = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+        a.register(manifest([src], "s"))
+        b.register(manifest([dst], "d"))
+        peer = a.connect(b.endpoint(), b.manifest)  # type: ignore[arg-type]
+        t = a.write(peer, descs([src.ctypes.data], [dst.ctypes.data], [8]))
+        with pytest.raises(TransferError, match="still running"):
+            a.deregister()
+        assert a.manifest is not None
+        assert not [c for c in a.driver.calls if c.op == "deregister"]  # type: ignore[attr-defined]
+        a.driver.handles[0]._status = Status.FAILED  # type: ignore[attr-defined]
+        a.deregister()  # the batch ended: now it goes
+        assert a.manifest is None and t.poll() is Status.FAILED
+        a.close()

@@ -30,7 +30,7 @@ _ids = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[str, ExampleDriver] = weakref.WeakValueDictionary()
 
 
-class Blob(msgspec.Struct, frozen=True):
+class ExampleBlob(msgspec.Struct, frozen=True):
     """What a peer needs to reach us: the core encodes it and decodes it for us."""
 
     address: str
@@ -39,7 +39,7 @@ class Blob(msgspec.Struct, frozen=True):
 
 class ExampleDriver(Driver):
     name: ClassVar[str] = "example"
-    Blob: ClassVar[type[msgspec.Struct]] = Blob
+    Blob: ClassVar[type[msgspec.Struct]] = ExampleBlob
 
     def __init__(self, *, max_batch: int = 0) -> None:
         self.capabilities = Capabilities(notifications=True, max_batch=max_batch)
@@ -57,13 +57,13 @@ class ExampleDriver(Driver):
         del self.regions[region.addr]
         self.generation += 1
 
-    def endpoint(self) -> Blob:
-        return Blob(self.address, self.generation)
+    def endpoint(self) -> ExampleBlob:
+        return ExampleBlob(self.address, self.generation)
 
     def connect(self, blob: Any, manifest: Manifest) -> Any:
         return blob  # the link: whatever post() needs to find the peer
 
-    def _peer(self, link: Blob) -> ExampleDriver:
+    def _peer(self, link: ExampleBlob) -> ExampleDriver:
         peer = _LIVE.get(link.address)
         if peer is None:
             raise RuntimeError(f"peer {link.address} is gone")
@@ -78,7 +78,8 @@ class ExampleDriver(Driver):
         table = AddressTable(starts, [peer.regions[s] for s in starts])
         if table.first_outside(descs.dst, descs.nbytes) >= 0:
             raise RuntimeError(f"a destination is not registered by {link.address}")
-        for s, d, n in zip(descs.src.tolist(), descs.dst.tolist(), descs.nbytes.tolist()):
+        copies = zip(descs.src.tolist(), descs.dst.tolist(), descs.nbytes.tolist(), strict=True)
+        for s, d, n in copies:  # an example: a real engine copies a batch in one call
             ctypes.memmove(d, s, n)
         if notify is not None:
             peer.inbox.append((self.address, notify))

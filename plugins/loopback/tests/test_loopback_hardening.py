@@ -124,7 +124,7 @@ def test_an_exited_peer_is_reported_not_written() -> None:
         peer = a.connect(ready.endpoint, dst)
         proc.kill()
         descs = xk.plan(ref.srcs[0].manifest, dst).expand({"raw": ([0], [1])})
-        with pytest.raises(xk.TransferError, match="exited|gone"):
+        with pytest.raises(xk.TransferError, match=r"exited|gone"):
             a.write(peer, descs).wait(WAIT_S)
 
 

@@ -25,7 +25,5 @@ def _probe() -> str | None:
 @hookimpl
 def register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(
-        BackendSpec(
-            name="loopback", target="xferkit_loopback.backend:LoopbackDriver", probe=_probe
-        )
+        BackendSpec(name="loopback", target="xferkit_loopback.backend:LoopbackDriver", probe=_probe)
     )

@@ -28,17 +28,8 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from xferkit.driver import (
-    AddressTable,
-    BatchWorker,
-    Capabilities,
-    Descriptors,
-    Driver,
-    Manifest,
-    Posted,
-    QueuedBatch,
-    Region,
-)
+from xferkit import Descriptors, Manifest, Region
+from xferkit.driver import AddressTable, BatchWorker, Capabilities, Driver, Posted, QueuedBatch
 
 from .copy import allow_writers, copy_local, explain, read_remote, start_time, write_remote
 from .faults import Faults
@@ -137,8 +128,10 @@ class LoopbackDriver(Driver):
         self._links: set[_Link] = set()
         self._closing = threading.Event()
         self._receiver = threading.Thread(
-            target=_receive, args=(weakref.ref(self), self._sock, self._inbox, self._closing),
-            name=f"xferkit-loopback-{self.id}-rx", daemon=True,
+            target=_receive,
+            args=(weakref.ref(self), self._sock, self._inbox, self._closing),
+            name=f"xferkit-loopback-{self.id}-rx",
+            daemon=True,
         )
         self._receiver.start()
         allow_writers()

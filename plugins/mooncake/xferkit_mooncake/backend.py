@@ -16,22 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
 import numpy as np
 
-from xferkit import OptionError, ProtocolError, RegistrationError
-from xferkit.driver import (
-    Capabilities,
-    Descriptors,
-    Driver,
-    Manifest,
-    Posted,
-    QueuedBatch,
-    Region,
-    rdma_devices,
-)
+from xferkit import Descriptors, Manifest, OptionError, ProtocolError, Region, RegistrationError
+from xferkit.driver import Capabilities, Driver, Posted, QueuedBatch, rdma_devices
 
 from . import engine as _engine
 from .codes import check, code_name, explain
@@ -49,9 +40,11 @@ LANE_JOIN_S = 5.0
 
 
 class _Blob(msgspec.Struct, frozen=True):
-    segment: str  # host:rpc_port, the driver's address
+    """Decoded by the core with these constraints: a malformed one never reaches ``connect``."""
+
+    segment: Annotated[str, msgspec.Meta(pattern=r"^\S+:[0-9]{1,5}$", max_length=300)]  # host:port
     protocol: str
-    anchor: int  # an address the peer registered: the target of a notification sent alone
+    anchor: Annotated[int, msgspec.Meta(ge=0)]  # the target of a notification sent alone
 
 
 class _Link(NamedTuple):
@@ -108,7 +101,7 @@ class MooncakeDriver(Driver):
         _engine.configure(stall)
         engine, self.address = _engine.start(*self._start)
         self._local = Local(engine, self.address)  # shared with every lane
-        self._retired: list[Local] = []  # engines whose endpoints went stale; stopped on close
+        self._retired: list[tuple[Any, str]] = []  # (engine, segment) gone stale; kept to close
         self._published = False  # an endpoint of the current engine was handed out
         self._holdings = Holdings()
         self._lanes: list[Lane] = []  # every lane not yet seen finished; joined on close
@@ -120,7 +113,9 @@ class MooncakeDriver(Driver):
     @property
     def engine(self) -> Any:
         """The current TransferEngine (settable: a test or benchmark may wrap it)."""
-        return self._local.engine
+        engine = self._local.engine
+        assert engine is not None, "the core calls nothing after close()"
+        return engine
 
     @engine.setter
     def engine(self, engine: Any) -> None:
@@ -172,15 +167,15 @@ class MooncakeDriver(Driver):
 
     def _renew(self) -> None:
         """Retire the engine whose endpoint peers may hold: its segment refuses them from now."""
-        old = Local(self.engine, self.address)
+        old = (self.engine, self.address)
         for start in self._holdings.starts():  # left over by a failed deregistration
-            old.engine.unregister_memory(start)
+            old[0].unregister_memory(start)
         self._holdings.clear()
         engine, self.address = _engine.start(*self._start)
         self._retired.append(old)
         self._local.engine, self._local.segment = engine, self.address
         self._published = False
-        log.info("mooncake: registering again as segment %s (retired %s)", self.address, old.segment)
+        log.info("mooncake: registering again as segment %s (retired %s)", self.address, old[1])
 
     # -- peers -----------------------------------------------------------------
 
@@ -193,6 +188,10 @@ class MooncakeDriver(Driver):
             raise ProtocolError(
                 f"mooncake: peer {blob.segment} speaks {blob.protocol}, this driver "
                 f"{self.protocol}; open both with the same protocol option"
+            )
+        if not 0 < int(blob.segment.rsplit(":", 1)[1]) < 65536 or blob.anchor >= 2**64:
+            raise ProtocolError(
+                f"mooncake: endpoint of {blob.segment!r}: no TCP port, or an anchor beyond 64 bits"
             )
         lane = Lane(self._local, blob.segment)
         self._lanes = [old for old in self._lanes if old.alive] + [lane]
@@ -223,21 +222,20 @@ class MooncakeDriver(Driver):
         # old endpoint may still deliver one there.
         return [
             (n.name, decode_message(n.msg))
-            for local in (*self._retired, self._local)
-            for n in local.engine.get_notifies()
+            for engine, _ in (*self._retired, (self.engine, self.address))
+            for n in engine.get_notifies()
         ]
 
     def close(self) -> None:
         for lane in self._lanes:
             lane.stop()  # the core disconnected every peer already; stopping twice is harmless
         stuck = [lane.segment for lane in self._lanes if not lane.join(LANE_JOIN_S)]
-        engines = [*self._retired, Local(self.engine, self.address)]
         if stuck:
             # Their threads hold the engine in use until their batches end.
             log.warning("mooncake: closing with batches still running towards %s", stuck)
         else:
-            for local in engines:
-                _engine.stop(local.engine, local.segment)
+            for engine, segment in (*self._retired, (self.engine, self.address)):
+                _engine.stop(engine, segment)
         self._retired.clear()
         self._lanes.clear()
         self._local.engine = None  # the last references: the engines are destroyed here

@@ -17,6 +17,16 @@ from xferkit import (
     XferError,
 )
 
+_ENGINE = {
+    -200: ("ERR_METADATA", "metadata error"),
+    -201: ("ERR_ENDPOINT", "endpoint error"),
+    -202: ("ERR_CONTEXT", "device context error"),
+    -300: ("ERR_NUMA", "NUMA error"),
+    -301: ("ERR_CLOCK", "clock error"),
+    -302: ("ERR_MEMORY", "memory error"),
+    -303: ("ERR_NOT_IMPLEMENTED", "not implemented"),
+}
+
 CODES: dict[int, tuple[str, str, type[XferError]]] = {
     -1: ("ERR_INVALID_ARGUMENT", "invalid argument", XferError),
     -2: ("ERR_TOO_MANY_REQUESTS", "too many requests", TransferError),
@@ -34,17 +44,13 @@ CODES: dict[int, tuple[str, str, type[XferError]]] = {
         RegistrationError,
     ),
     -8: ("ERR_NOT_LOCAL_SEGMENT_OR_SHM", "not the local segment or shared memory", XferError),
+    # Reaching a peer: its address, its handshake.
     -101: ("ERR_DNS", "the peer's host name does not resolve", TransferError),
     -102: ("ERR_SOCKET", "socket error: the peer's handshake port is unreachable", TransferError),
     -103: ("ERR_MALFORMED_JSON", "malformed handshake JSON", ProtocolError),
     -104: ("ERR_REJECT_HANDSHAKE", "the peer rejected the handshake", ProtocolError),
-    -200: ("ERR_METADATA", "metadata error", PluginError),
-    -201: ("ERR_ENDPOINT", "endpoint error", PluginError),
-    -202: ("ERR_CONTEXT", "device context error", PluginError),
-    -300: ("ERR_NUMA", "NUMA error", PluginError),
-    -301: ("ERR_CLOCK", "clock error", PluginError),
-    -302: ("ERR_MEMORY", "memory error", PluginError),
-    -303: ("ERR_NOT_IMPLEMENTED", "not implemented", PluginError),
+    # The engine itself (its set-up, its host): nothing the caller's request can change.
+    **{code: (*row, PluginError) for code, row in _ENGINE.items()},
 }
 _UNKNOWN = ("not in Mooncake error.h", "unknown code", XferError)
 

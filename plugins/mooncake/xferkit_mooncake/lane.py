@@ -16,11 +16,16 @@ bounds (``stall_timeout``); only then may the core call the write FAILED.
 
 from __future__ import annotations
 
+import threading
+
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
 from xferkit.driver import BatchWorker, QueuedBatch
 
 from .codes import explain, explain_transfer
+
+PROBE_S = 1.0
+"""How long a failed batch waits for ``send_probe`` to tell a refusal from a silent peer."""
 
 
 def encode_message(message: bytes) -> str:
@@ -84,7 +89,12 @@ def _execute(local: Local, segment: str, job: QueuedBatch) -> str | None:
         f"Mooncake {call} of {len(d)} descriptor(s), {d.total_bytes} bytes, to segment "
         f"{segment} returned {explain_transfer(rc)}; "
     )
-    probe = engine.send_probe(segment)
+    probe = _probe(engine, segment)
+    if probe is None:
+        return text + (
+            f"the peer did not answer send_probe within {PROBE_S} s: it is frozen, overloaded "
+            "or unreachable (the transfer stalled)"
+        )
     if probe == 0:
         return text + (
             "the peer answers send_probe, so it refused the write (a destination outside the "
@@ -92,3 +102,21 @@ def _execute(local: Local, segment: str, job: QueuedBatch) -> str | None:
             "segment) or the transfer stalled; the engine's log on stderr has the details"
         )
     return text + f"send_probe to it returned {explain(probe)}: the peer is gone or unreachable"
+
+
+def _probe(engine: TransferEngine, segment: str) -> int | None:
+    """``send_probe``'s code, or None when it has not answered within ``PROBE_S``.
+
+    A frozen peer's kernel still accepts the connection, and the engine then
+    waits 60 s for its reply: the probe runs on a helper thread so that the
+    lane (and with it the failed write) is not held that long.
+    """
+    result: list[int] = []
+    helper = threading.Thread(
+        target=lambda: result.append(engine.send_probe(segment)),
+        name=f"xferkit-mooncake-probe-{segment}",
+        daemon=True,
+    )
+    helper.start()
+    helper.join(PROBE_S)
+    return result[0] if result else None

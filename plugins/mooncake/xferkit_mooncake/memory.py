@@ -34,7 +34,8 @@ class Runs:
         first = np.flatnonzero(new)
         run = np.cumsum(new) - 1  # the run of each region, in address order
         self.starts: list[int] = a[first].tolist()
-        self.lengths: list[int] = (np.maximum.reduceat(e, first) - a[first]).tolist() if len(a) else []
+        ends_of_runs = np.maximum.reduceat(e, first) if len(a) else e
+        self.lengths: list[int] = (ends_of_runs - a[first]).tolist()
         self.counts: list[int] = np.bincount(run, minlength=len(first)).tolist()
         of = np.empty(len(a), np.uint64)
         of[order] = a[first][run]

@@ -14,7 +14,7 @@ import time
 from drivers import require_nixl
 
 import xferkit as xk
-from xferkit.testing.conformance import drain_until
+from xferkit.testing.conformance import drain_until, peer_setup
 from xferkit.testing.peer import Check, Drain, PeerProcess, Setup, Write
 from xferkit.testing.reference import Reference, RegionSpec
 
@@ -48,17 +48,7 @@ def specs() -> list[RegionSpec]:
 
 
 def _setup(role: str, index: int) -> Setup:
-    return Setup(
-        backend="nixl",
-        options={},
-        specs=specs(),
-        src_tp=SRC_TP,
-        dst_tp=DST_TP,
-        src_slots=SRC_SLOTS,
-        dst_slots=DST_SLOTS,
-        role=role,
-        index=index,
-    )
+    return peer_setup("nixl", {}, role, index, SRC_TP, DST_TP, specs(), SRC_SLOTS, DST_SLOTS)
 
 
 def _reference() -> Reference:

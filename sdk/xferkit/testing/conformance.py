@@ -401,17 +401,7 @@ class BackendConformance:
     # -- another process ----------------------------------------------------------
 
     def _setup(self, role: str, index: int, src_tp: int, dst_tp: int) -> Setup:
-        return Setup(
-            backend=self.backend,
-            options=dict(self.options),
-            specs=gdn_hybrid_specs(),
-            src_tp=src_tp,
-            dst_tp=dst_tp,
-            src_slots=SRC_SLOTS,
-            dst_slots=DST_SLOTS,
-            role=role,
-            index=index,
-        )
+        return peer_setup(self.backend, self.options, role, index, src_tp, dst_tp)
 
     @contextlib.contextmanager
     def _ranks_beside_a_peer(
@@ -473,6 +463,48 @@ class BackendConformance:
                 reply = peer_proc.ask(w)
                 assert reply.ok, reply.error
                 ref.check(i, REQUEST)
+
+    def test_cross_process_every_rank_in_its_own_process(self) -> None:
+        """Prefill TP 2 -> decode TP 4 with no two ranks sharing a process, as deployed."""
+        self._cross_process()
+        with contextlib.ExitStack() as stack:
+            # Start all six processes first: they boot in parallel.
+            srcs = [stack.enter_context(PeerProcess()) for _ in range(2)]
+            dsts = [stack.enter_context(PeerProcess()) for _ in range(4)]
+            src_ready = [p.ask(self._setup("src", i, 2, 4)) for i, p in enumerate(srcs)]
+            dst_ready = [p.ask(self._setup("dst", j, 2, 4)) for j, p in enumerate(dsts)]
+            replies = src_ready + dst_ready
+            assert all(r.ok for r in replies), [r.error for r in replies]
+            src_manifests = [Manifest.decode(r.manifest) for r in src_ready]
+            assert all(m.dropped for m in src_manifests)  # the empty short-conv entries
+            expected: dict[int, list[bytes]] = {}
+            for j, ready in enumerate(dst_ready):
+                sources = coverage(src_manifests, Manifest.decode(ready.manifest)).sources
+                assert sources  # every decode rank is fed by at least one prefill rank
+                expected[j] = sorted(f"prefill {s} -> decode {j}".encode() for s in sources)
+                for s in sources:
+                    write = Write(
+                        endpoint=ready.endpoint,
+                        manifest=ready.manifest,
+                        slots=REQUEST,
+                        notify=f"prefill {s} -> decode {j}".encode() if self._notes() else None,
+                    )
+                    reply = srcs[s].ask(write)
+                    assert reply.ok, reply.error
+            for j, proc in enumerate(dsts):
+                result = proc.ask(Check(slots=REQUEST))
+                assert result.ok, f"decode rank {j}: {result.error}"
+                if not self._notes():
+                    continue
+                notes: list = []
+                deadline = time.monotonic() + self.wait_s
+                while len(notes) < len(expected[j]) and time.monotonic() < deadline:
+                    notes += proc.ask(Drain(timeout=0.5)).notes
+                assert sorted(m for _, m in notes) == expected[j]
+
+    def _notes(self) -> bool:
+        with self.open() as b:
+            return b.capabilities.notifications
 
     @contextlib.contextmanager
     def _writing_to_a_peer_process(
@@ -543,6 +575,34 @@ class BackendConformance:
             except TransferError as exc:
                 assert peer.name in str(exc)
             assert t.poll() in (Status.FAILED, Status.DONE)
+
+
+def peer_setup(
+    backend: str,
+    options: dict[str, Any],
+    role: str,
+    index: int,
+    src_tp: int,
+    dst_tp: int,
+    specs: list[RegionSpec] | None = None,
+    src_slots: dict[str, int] = SRC_SLOTS,
+    dst_slots: dict[str, int] = DST_SLOTS,
+) -> Setup:
+    """What a peer process (``xferkit.testing.peer``) needs to be one rank of a handoff.
+
+    ``specs`` None: the kit's GDN hybrid model.
+    """
+    return Setup(
+        backend=backend,
+        options=dict(options),
+        specs=gdn_hybrid_specs() if specs is None else specs,
+        src_tp=src_tp,
+        dst_tp=dst_tp,
+        src_slots=src_slots,
+        dst_slots=dst_slots,
+        role=role,
+        index=index,
+    )
 
 
 def _note(backend: Backend) -> bytes | None:

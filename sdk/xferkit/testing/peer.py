@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from ..backend import Backend
+from ..closing import Closing
 from ..manifest import Manifest
 from ..planner import plan
 from ..plugins import open_backend
@@ -122,7 +123,7 @@ def serve() -> None:
         backend.close()
 
 
-class PeerProcess:
+class PeerProcess(Closing):
     """The parent's handle on a peer process."""
 
     def __init__(self) -> None:
@@ -161,12 +162,6 @@ class PeerProcess:
     def kill(self) -> None:
         self._proc.kill()
         self._proc.wait()
-
-    def __enter__(self) -> PeerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":

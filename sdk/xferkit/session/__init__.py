@@ -1,0 +1,23 @@
+"""The engine-facing Session: one per rank, requests as non-blocking handles.
+
+See docs/engine.md for what an engine writes per rank and docs/protocol.md
+for the messages on the wire.
+"""
+
+from .handles import STAGES, Receive, RequestError, Send, State
+from .keys import SessionKeys, keygen
+from .session import Session, fingerprint
+from .wire import PROTOCOL_VERSION
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "STAGES",
+    "Receive",
+    "RequestError",
+    "Send",
+    "Session",
+    "SessionKeys",
+    "State",
+    "fingerprint",
+    "keygen",
+]

@@ -1,0 +1,157 @@
+"""What an engine holds per request: ``Receive`` (decode side) and ``Send`` (prefill side).
+
+The I/O thread moves them; the engine only reads them (``poll`` never blocks)
+or asks for something (``wait``, ``abort``, ``Send.write``), which is queued
+for the I/O thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import XferError
+from ..transfer import seconds
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+class State(enum.IntEnum):
+    """Ordered so a TP group can all-reduce the minimum (sglang's KVPoll order)."""
+
+    FAILED = 0
+    HANDSHAKING = 1
+    WAITING = 2
+    TRANSFERRING = 3
+    DONE = 4
+
+
+STAGES = ("handshake", "plan", "transfer", "timeout", "abort", "peer lost", "closed", "request")
+"""Where a request can fail; ``RequestError.stage`` is one of these."""
+
+
+class RequestError(XferError):
+    """Why a request failed: the root cause, the same text on both sides of the request.
+
+    ``stage`` is one of ``STAGES``; ``peer`` is the session address of the peer
+    concerned (when there is one).
+    """
+
+    def __init__(self, text: str, *, stage: str, request_id: str, peer: str | None = None) -> None:
+        super().__init__(text, subject=request_id)
+        self.stage = stage
+        self.request_id = request_id
+        self.peer = peer
+
+
+class _Handle:
+    """A request's progress; ``poll`` never blocks, states only move forward, FAILED sticks."""
+
+    def __init__(self, session: Session, request_id: str) -> None:
+        self.request_id = request_id
+        self._session = session
+        self._state = State.HANDSHAKING
+        self._error: RequestError | None = None
+        self._cond = threading.Condition()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.request_id!r}, {self._state.name})"
+
+    def poll(self) -> State:
+        return self._state
+
+    @property
+    def error(self) -> RequestError | None:
+        """The root cause once FAILED, else None."""
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        return self._state in (State.DONE, State.FAILED)
+
+    def wait(self, timeout: float | None = None) -> State:
+        """Block until DONE or FAILED; raise the root cause if FAILED.
+
+        Past ``timeout`` it raises ``XferError`` and the request goes on.
+        """
+        limit = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
+        with self._cond:
+            while not self.done:
+                left = None if limit is None else limit - time.monotonic()
+                if left is not None and left <= 0:
+                    raise XferError(
+                        f"request {self.request_id!r} still {self._state.name} after {timeout} s",
+                        subject=self.request_id,
+                    )
+                self._cond.wait(left)
+        if self._error is not None:
+            raise self._error
+        return self._state
+
+    def abort(self, timeout: float = 10.0) -> None:
+        """Fail the request on both sides (stage abort); return once it is FAILED.
+
+        On the decode side that means every source confirmed no write into the
+        request's slots is in flight or will be posted: the slots may be reused.
+        """
+        limit = time.monotonic() + seconds(timeout, "timeout")
+        self._session._submit(("abort", self))
+        with self._cond:
+            while not self.done:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    raise XferError(
+                        f"request {self.request_id!r}: abort not confirmed within {timeout} s",
+                        subject=self.request_id,
+                    )
+                self._cond.wait(left)
+
+    # -- the I/O thread's side -------------------------------------------------
+
+    def _move(self, state: State) -> None:
+        with self._cond:
+            if not self.done and state > self._state:
+                self._state = state
+                self._cond.notify_all()
+
+    def _fail(self, error: RequestError) -> bool:
+        with self._cond:
+            if self.done:
+                return False
+            self._error, self._state = error, State.FAILED
+            self._cond.notify_all()
+            return True
+
+
+class Receive(_Handle):
+    """Decode side: the request's data arriving into ``slots`` from its source ranks."""
+
+
+class Send(_Handle):
+    """Prefill side: the request's data leaving, written chunk by chunk with ``write``."""
+
+    def __init__(self, session: Session, request_id: str) -> None:
+        super().__init__(session, request_id)
+        self._state = State.WAITING
+        self._last = False
+
+    def write(self, slots: Mapping[str, Any], last: bool = False) -> None:
+        """Send the next chunk: ``slots[pool]`` are source slots, mapped in order onto the next
+        unfilled destination slots of that pool; ``last=True`` on the final chunk.
+
+        Checked against the local manifest at once; the write itself starts when
+        the destination slots are known (now, or when the decode side names them).
+        """
+        if not isinstance(last, bool):
+            raise XferError(f"write(last=) is a bool, not {last!r}")
+        if self._last:
+            raise XferError(f"request {self.request_id!r}: write() after the last chunk")
+        checked = self._session._local_slots(slots, f"request {self.request_id!r}: write()")
+        if self.done:
+            return  # failed already (or aborted): nothing more is written
+        self._last = last
+        self._session._submit(("write", self, checked, last))

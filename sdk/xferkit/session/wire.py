@@ -1,0 +1,198 @@
+"""The Session's control messages: msgspec Structs in one tagged union, msgpack on the wire.
+
+Every message a peer can send is declared here, with bounds on every field,
+so ``decode`` is the only gate: anything malformed, of an unknown type,
+oversized or out of range is a ``ProtocolError`` and never reaches the
+session's state. Nothing is pickled. docs/protocol.md describes each message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from ..errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+"""Sent in ``Hello``/``Welcome``; a peer speaking another version is refused at handshake."""
+
+MAX_MESSAGE = 64 << 20
+"""Largest control message accepted (bytes); a manifest of thousands of regions fits."""
+
+MAX_SLOTS = 1 << 22
+"""Most slot indices one request may name per pool."""
+
+U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=4096)]
+Size = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Slot = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=16384)]
+Name = Annotated[str, msgspec.Meta(max_length=1024)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE)]
+Stage = Annotated[str, msgspec.Meta(max_length=32)]
+Slots = dict[
+    Annotated[str, msgspec.Meta(max_length=256)],
+    Annotated[list[Slot], msgspec.Meta(max_length=MAX_SLOTS)],
+]
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+class _Introduction(_Msg, frozen=True):
+    """Who a rank is and what it registered: what each side of a pair tells the other once."""
+
+    version: int
+    incarnation: U64
+    address: Name  # the sender's own session address (for log lines and errors)
+    tp_rank: Rank
+    tp_size: Size
+    fingerprint: Name
+    manifest: Blob
+    backend: Name
+    endpoint: Blob
+    driver_address: Name
+
+
+class Hello(_Introduction, frozen=True, tag="hello"):
+    """Decode -> prefill, once per pair."""
+
+
+class Welcome(_Introduction, frozen=True, tag="welcome"):
+    """Prefill -> decode, the reply to ``Hello``; ``error`` (with ``stage``) when the pair cannot
+    work (a PlanError's text, a refused endpoint): both sides then report that same text."""
+
+    stage: Stage = ""
+    error: Text = ""
+
+
+class Request(_Msg, frozen=True, tag="request"):
+    """Decode -> prefill, the hot-path message: one per (destination rank, source rank).
+
+    ``needed`` is False when the plans say this source writes nothing into this
+    destination rank; the source still counts it, so it knows when every
+    destination rank of the request has been served.
+    """
+
+    rid: RequestId
+    gen: U64
+    dst_rank: Rank
+    dst_size: Size
+    needed: bool
+    slots: Slots
+
+
+class Abort(_Msg, frozen=True, tag="abort"):
+    """Decode -> prefill: stop writing ``rid``, for this root cause; answered by ``AbortAck``
+    once no write of it is in flight or will be posted."""
+
+    rid: RequestId
+    gen: U64
+    stage: Stage
+    text: Text
+
+
+class AbortAck(_Msg, frozen=True, tag="abort_ack"):
+    """Prefill -> decode: nothing of ``rid`` is in flight towards the sender any more."""
+
+    rid: RequestId
+    gen: U64
+
+
+class Fail(_Msg, frozen=True, tag="fail"):
+    """Either way: ``rid`` failed on the sender's side with this root cause.
+
+    From a prefill rank it also means nothing of it is in flight any more.
+    """
+
+    rid: RequestId
+    gen: U64
+    stage: Stage
+    text: Text
+
+
+class Written(_Msg, frozen=True, tag="written"):
+    """Prefill -> decode, only for drivers without notifications: write ``seq`` of ``rid``
+    landed; ``total`` (> 0) on the last one says how many writes there were."""
+
+    rid: RequestId
+    gen: U64
+    src_rank: Rank
+    seq: Count
+    total: Count
+
+
+class Ping(_Msg, frozen=True, tag="ping"):
+    """Decode -> prefill heartbeat, per peer (not per request)."""
+
+    incarnation: U64
+
+
+class Pong(_Msg, frozen=True, tag="pong"):
+    """Prefill -> decode heartbeat reply; a changed ``incarnation`` means the peer restarted."""
+
+    incarnation: U64
+
+
+class Bye(_Msg, frozen=True, tag="bye"):
+    """Either way: the sender's session is closing; its open requests with us are failed."""
+
+    incarnation: U64
+    reason: Text
+
+
+Message = Hello | Welcome | Request | Abort | AbortAck | Fail | Written | Ping | Pong | Bye
+
+
+class Tag(msgspec.Struct, frozen=True, array_like=True):
+    """The completion tag riding on a driver notification, after the data of one write.
+
+    ``total`` is 0 except on a source's last write to a destination, where it is
+    the number of writes: the destination counts them, never parses strings.
+    """
+
+    rid: RequestId
+    gen: U64
+    src_rank: Rank
+    seq: Count
+    total: Count
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_tag_decoder = msgspec.msgpack.Decoder(Tag)
+
+
+def encode(message: Message | Tag) -> bytes:
+    return _encoder.encode(message)
+
+
+def _checked(data: object) -> bytes | bytearray | memoryview:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"a control message is bytes, not {type(data).__name__}")
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """The message in ``data``; ``ProtocolError`` for anything else (never another exception)."""
+    raw = _checked(data)
+    try:
+        msg: Any = _decoder.decode(raw)
+    except Exception as exc:  # DecodeError, ValidationError, and anything unexpected
+        raise ProtocolError(f"malformed control message: {exc}") from exc
+    return msg  # type: ignore[no-any-return]
+
+
+def decode_tag(data: bytes) -> Tag:
+    """A completion tag; ``ProtocolError`` for anything else."""
+    raw = _checked(data)
+    try:
+        return _tag_decoder.decode(raw)
+    except Exception as exc:
+        raise ProtocolError(f"malformed completion tag: {exc}") from exc

@@ -1,0 +1,212 @@
+"""One Session rank in its own process, driven over JSON lines on stdin/stdout.
+
+Both ends build the same ``Reference`` (same specs and seed), so the rank can
+check the bytes it received without any bytes crossing the pipe. Run as a
+script: ``python tests/session/session_rank.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+import xferkit as xk
+from xferkit.session import Receive, Send, Session, SessionKeys
+from xferkit.testing import Reference, gdn_hybrid
+
+Slots = dict[str, list[int]]
+
+
+class Setup(msgspec.Struct, tag=True):
+    role: str  # "src" or "dst"
+    index: int
+    src_tp: int
+    dst_tp: int
+    backend: str = "loopback"
+    options: dict[str, Any] = {}
+    keys: tuple[str, str, list[str]] | None = None  # public, secret, trusted
+    session: dict[str, float] = {}
+    seed: int = 0
+    bind: str = "tcp://127.0.0.1:0"
+
+
+class Expect(msgspec.Struct, tag=True):
+    rid: str
+    sources: list[str]
+    slots: Slots
+
+
+class Offer(msgspec.Struct, tag=True):
+    rid: str
+
+
+class Write(msgspec.Struct, tag=True):
+    rid: str
+    slots: Slots
+    last: bool = False
+
+
+class Wait(msgspec.Struct, tag=True):
+    rid: str
+    timeout: float = 10.0
+
+
+class Abort(msgspec.Struct, tag=True):
+    rid: str
+    timeout: float = 10.0
+
+
+class Check(msgspec.Struct, tag=True):
+    slots: dict[str, tuple[list[int], list[int]]]
+
+
+class Quit(msgspec.Struct, tag=True):
+    pass
+
+
+Command = Setup | Expect | Offer | Write | Wait | Abort | Check | Quit
+
+
+class Reply(msgspec.Struct):
+    ok: bool
+    error: str = ""
+    address: str = ""
+    state: str = ""
+    stage: str = ""
+    elapsed: float = 0.0
+
+
+SLOTS = {"kv": 32, "state": 8}
+
+
+def reference(src_tp: int, dst_tp: int, seed: int) -> Reference:
+    return Reference(
+        gdn_hybrid(), src_tp=src_tp, dst_tp=dst_tp, src_slots=SLOTS, dst_slots=SLOTS, seed=seed
+    )
+
+
+def serve() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    decoder = msgspec.json.Decoder(Command)
+    session: Session | None = None
+    ref: Reference | None = None
+    index = 0
+    handles: dict[str, Receive | Send] = {}
+    for line in sys.stdin:
+        cmd = decoder.decode(line)
+        started = time.monotonic()
+        reply = Reply(True)
+        try:
+            if isinstance(cmd, Quit):
+                break
+            if isinstance(cmd, Setup):
+                ref, index = reference(cmd.src_tp, cmd.dst_tp, cmd.seed), cmd.index
+                rank = (ref.srcs if cmd.role == "src" else ref.dsts)[index]
+                keys = None if cmd.keys is None else SessionKeys(*cmd.keys)
+                backend = xk.open_backend(cmd.backend, **cmd.options)
+                session = Session(backend, rank.manifest, bind=cmd.bind, keys=keys, **cmd.session)  # type: ignore[arg-type]
+                reply = Reply(True, address=session.address)
+            elif session is None or ref is None:
+                reply = Reply(False, "send Setup first")
+            elif isinstance(cmd, Expect):
+                handles[cmd.rid] = session.expect(cmd.rid, cmd.sources, cmd.slots)
+            elif isinstance(cmd, Offer):
+                handles[cmd.rid] = session.offer(cmd.rid)
+            elif isinstance(cmd, Write):
+                send = handles[cmd.rid]
+                assert isinstance(send, Send)
+                send.write(cmd.slots, last=cmd.last)
+            elif isinstance(cmd, Wait | Abort):
+                h = handles[cmd.rid]
+                try:
+                    if isinstance(cmd, Abort):
+                        h.abort(cmd.timeout)
+                    else:
+                        h.wait(cmd.timeout)
+                except xk.XferError:
+                    pass
+                err = h.error
+                reply = Reply(
+                    True,
+                    state=h.poll().name,
+                    error="" if err is None else str(err),
+                    stage="" if err is None else err.stage,
+                )
+            elif isinstance(cmd, Check):
+                ref.check(index, cmd.slots)
+        except Exception as exc:
+            reply = Reply(False, f"{type(exc).__name__}: {exc}")
+        reply.elapsed = time.monotonic() - started
+        sys.stdout.write(msgspec.json.encode(reply).decode() + "\n")
+        sys.stdout.flush()
+    if session is not None:
+        session.close()
+
+
+class RankProcess:
+    """The test's handle on one rank process."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._decoder = msgspec.json.Decoder(Reply)
+        self.address = ""
+
+    def send(self, command: Command) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgspec.json.encode(command).decode() + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self) -> Reply:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"rank process {self.proc.pid} exited ({self.proc.wait()})")
+        return self._decoder.decode(line)
+
+    def ask(self, command: Command) -> Reply:
+        self.send(command)
+        return self.reply()
+
+    def ok(self, command: Command) -> Reply:
+        reply = self.ask(command)
+        assert reply.ok, reply.error
+        return reply
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(Quit())
+                self.proc.wait(timeout=15)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+def start(setups: list[Setup]) -> list[RankProcess]:
+    """Start one process per setup (in parallel), set each up, return them with addresses."""
+    procs = [RankProcess() for _ in setups]
+    for p, s in zip(procs, setups, strict=True):
+        p.send(s)
+    for p in procs:
+        reply = p.reply()
+        assert reply.ok, reply.error
+        p.address = reply.address
+    return procs
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,109 @@
+"""Prefill TP 2 -> decode TP 4 through Sessions, every rank in its own process.
+
+Each rank builds the same reference model (GDN hybrid: GQA KV pages, conv and
+temporal state, an empty short-conv state), so a decode rank checks every byte
+it holds against the model without bytes crossing the test's pipes. Runs on the
+loopback, on Mooncake (TCP on 127.0.0.1) and on NIXL (UCX, host memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from session_rank import Abort, Check, Expect, Offer, RankProcess, Setup, Wait, Write, start
+
+SRC_TP, DST_TP = 2, 4
+
+
+class Cluster:
+    def __init__(self, procs: list[RankProcess]) -> None:
+        self.pre = procs[:SRC_TP]
+        self.dec = procs[SRC_TP:]
+        self.sources = [p.address for p in self.pre]
+        self.written: dict[str, tuple[list[int], list[int]]] = {"kv": ([], []), "state": ([], [])}
+
+    def record(self, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
+        for pool in src:
+            self.written[pool][0].extend(src[pool])
+            self.written[pool][1].extend(dst[pool])
+
+    def check_bytes(self) -> None:
+        for d in self.dec:
+            d.ok(Check({p: v for p, v in self.written.items() if v[0]}))
+
+
+BACKENDS = {
+    "loopback": {},
+    "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
+    "nixl": {},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    name, options = request.param, BACKENDS[request.param]
+    setups = [Setup("src", i, SRC_TP, DST_TP, name, options) for i in range(SRC_TP)]
+    setups += [Setup("dst", i, SRC_TP, DST_TP, name, options) for i in range(DST_TP)]
+    procs = start(setups)
+    yield Cluster(procs)
+    for p in procs:
+        p.close()
+
+
+CHUNKS = [{"kv": [0, 1], "state": [3]}, {"kv": [2, 3]}, {"kv": [4, 5]}]
+
+
+def _run(c: Cluster, rid: str, dst: dict[str, list[int]], decode_first: bool) -> None:
+    def expect() -> None:
+        for d in c.dec:
+            d.ok(Expect(rid, c.sources, dst))
+
+    if decode_first:
+        expect()
+    for p in c.pre:
+        p.ok(Offer(rid))
+    for i, chunk in enumerate(CHUNKS):
+        for p in c.pre:
+            p.ok(Write(rid, chunk, last=i == len(CHUNKS) - 1))
+    if not decode_first:
+        expect()
+    for r in c.pre + c.dec:
+        reply = r.ok(Wait(rid))
+        assert reply.state == "DONE", reply.error
+    src = {pool: [s for ch in CHUNKS for s in ch.get(pool, [])] for pool in dst}
+    c.record(src, dst)
+    c.check_bytes()
+
+
+def test_decode_first_three_chunks_byte_exact(cluster: Cluster) -> None:
+    _run(cluster, "decode-first", {"kv": [20, 3, 7, 8, 9, 30], "state": [5]}, True)
+
+
+def test_prefill_first_three_chunks_byte_exact(cluster: Cluster) -> None:
+    _run(cluster, "prefill-first", {"kv": [10, 11, 12, 13, 14, 15], "state": [1]}, False)
+
+
+def test_abort_from_decode_fails_every_rank_with_one_root_cause(cluster: Cluster) -> None:
+    rid = "aborted"
+    for d in cluster.dec:
+        d.ok(Expect(rid, cluster.sources, {"kv": [16, 17], "state": [6]}))
+    for p in cluster.pre:
+        p.ok(Offer(rid))
+    first = cluster.dec[1].ok(Abort(rid))
+    assert first.state == "FAILED" and first.stage == "abort"
+    assert "decode rank 1" in first.error and "aborted by the engine" in first.error
+    for r in cluster.pre + cluster.dec:
+        reply = r.ok(Wait(rid, 5))
+        assert (reply.state, reply.stage, reply.error) == ("FAILED", "abort", first.error)
+    cluster.check_bytes()  # nothing landed in the aborted slots
+
+
+def test_a_request_id_is_single_use(cluster: Cluster) -> None:
+    rid = "decode-first"  # finished above (or now: the order of tests does not matter)
+    cluster.dec[0].ask(Expect(rid, cluster.sources, {"kv": [31]}))
+    again = cluster.dec[0].ask(Expect(rid, cluster.sources, {"kv": [31]}))
+    assert not again.ok and "already used" in again.error
+    cluster.pre[0].ask(Offer("dup-offer"))
+    again = cluster.pre[0].ask(Offer("dup-offer"))
+    assert not again.ok and "already used" in again.error

@@ -1,0 +1,177 @@
+"""Failures across processes: a killed peer, refused keys, a closed session."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from session_rank import Check, Expect, Offer, Setup, Wait, Write, start
+
+from xferkit import XferError
+from xferkit.cli import main
+from xferkit.session import SessionKeys
+
+FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "handshake_timeout_s": 2.0}
+
+
+def _keys() -> tuple[str, str]:
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def test_a_sigkilled_prefill_fails_the_decode_request_within_the_deadline() -> None:
+    pre, dec = start([Setup("src", 0, 1, 1, session=FAST), Setup("dst", 0, 1, 1, session=FAST)])
+    try:
+        dec.ok(Expect("r", [pre.address], {"kv": [1, 2]}))
+        pre.ok(Offer("r"))
+        assert dec.ok(Wait("r", 0.3)).state == "WAITING"
+        pre.kill()
+        killed = time.monotonic()
+        reply = dec.ok(Wait("r", 5))
+        took = time.monotonic() - killed
+        assert reply.state == "FAILED" and reply.stage == "peer lost", reply
+        assert pre.address in reply.error and "prefill rank 0" in reply.error
+        assert took < FAST["dead_after_s"] + 1.0, took
+        dec.ok(Check({}))  # nothing landed
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_sigkilled_decode_fails_the_prefill_request_within_the_deadline() -> None:
+    pre, dec = start([Setup("src", 0, 1, 1, session=FAST), Setup("dst", 0, 1, 1, session=FAST)])
+    try:
+        dec.ok(Expect("r", [pre.address], {"kv": [1, 2]}))
+        pre.ok(Offer("r"))
+        assert dec.ok(Wait("r", 0.3)).state == "WAITING"
+        dec.kill()
+        killed = time.monotonic()
+        reply = pre.ok(Wait("r", 5))
+        assert reply.state == "FAILED" and reply.stage == "peer lost", reply
+        assert "decode rank 0" in reply.error and "sent nothing" in reply.error
+        assert time.monotonic() - killed < FAST["dead_after_s"] + 1.0
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_restarted_prefill_serves_the_next_request() -> None:
+    with socket.socket() as s:  # a free port both incarnations bind
+        s.bind(("127.0.0.1", 0))
+        bind = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    pre, dec = start(
+        [Setup("src", 0, 1, 1, session=FAST, bind=bind), Setup("dst", 0, 1, 1, session=FAST)]
+    )
+    try:
+        dec.ok(Expect("r1", [pre.address], {"kv": [1]}))
+        pre.ok(Offer("r1"))
+        assert dec.ok(Wait("r1", 0.3)).state == "WAITING"
+        pre.kill()
+        assert dec.ok(Wait("r1", 5)).stage == "peer lost"
+        (pre,) = start([Setup("src", 0, 1, 1, session=FAST, bind=bind)])
+        dec.ok(Expect("r2", [pre.address], {"kv": [2, 3]}))
+        pre.ok(Offer("r2"))
+        pre.ok(Write("r2", {"kv": [5, 6]}, last=True))
+        assert dec.ok(Wait("r2", 5)).state == "DONE"
+        dec.ok(Check({"kv": ([5, 6], [2, 3])}))
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_closing_the_decode_session_fails_the_prefill_request_with_its_text() -> None:
+    pre, dec = start([Setup("src", 0, 1, 1, session=FAST), Setup("dst", 0, 1, 1, session=FAST)])
+    try:
+        dec.ok(Expect("r", [pre.address], {"kv": [1]}))
+        pre.ok(Offer("r"))
+        assert dec.ok(Wait("r", 0.3)).state == "WAITING"
+        dec.close()
+        reply = pre.ok(Wait("r", 5))
+        assert reply.state == "FAILED" and reply.stage == "closed", reply
+        assert "was closed" in reply.error and "decode rank 0" in reply.error
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_with_shared_keys_the_transfer_is_encrypted_and_exact() -> None:
+    public, secret = _keys()
+    keys = (public, secret, [public])
+    pre, dec = start(
+        [
+            Setup("src", 0, 1, 1, keys=keys, session=FAST),
+            Setup("dst", 0, 1, 1, keys=keys, session=FAST),
+        ]
+    )
+    try:
+        assert pre.address.endswith("|" + public)
+        dec.ok(Expect("r", [pre.address], {"kv": [4, 5], "state": [2]}))
+        pre.ok(Offer("r"))
+        pre.ok(Write("r", {"kv": [0, 1], "state": [7]}, last=True))
+        assert dec.ok(Wait("r")).state == "DONE"
+        assert pre.ok(Wait("r")).state == "DONE"
+        dec.ok(Check({"kv": ([0, 1], [4, 5]), "state": ([7], [2])}))
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_an_untrusted_key_cannot_complete_a_handshake() -> None:
+    server_public, server_secret = _keys()
+    stranger_public, stranger_secret = _keys()
+    pre_keys = (server_public, server_secret, [server_public])  # trusts only itself
+    # The stranger knows and trusts the server's key, but the server does not trust it.
+    dec_keys = (stranger_public, stranger_secret, [stranger_public, server_public])
+    pre, dec = start(
+        [
+            Setup("src", 0, 1, 1, keys=pre_keys, session=FAST),
+            Setup("dst", 0, 1, 1, keys=dec_keys, session=FAST),
+        ]
+    )
+    try:
+        dec.ok(Expect("r", [pre.address], {"kv": [1]}))
+        pre.ok(Offer("r"))
+        reply = dec.ok(Wait("r", 5))
+        assert reply.state == "FAILED" and reply.stage == "handshake", reply
+        assert "no handshake reply" in reply.error and pre.address in reply.error
+        assert pre.ok(Wait("r", 0.2)).state == "WAITING"  # it never heard of the request
+        dec.ok(Check({}))
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_server_key_not_trusted_locally_is_refused_before_connecting() -> None:
+    public, secret = _keys()
+    other_public, other_secret = _keys()
+    pre, dec = start(
+        [
+            Setup("src", 0, 1, 1, keys=(other_public, other_secret, [other_public])),
+            Setup("dst", 0, 1, 1, keys=(public, secret, [public])),
+        ]
+    )
+    try:
+        dec.ok(Expect("r", [pre.address], {"kv": [1]}))
+        reply = dec.ok(Wait("r", 2))
+        assert reply.state == "FAILED" and reply.stage == "handshake"
+        assert "not among the trusted keys" in reply.error
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_keygen_writes_a_pair_that_sessions_load(tmp_path: Path) -> None:
+    assert main(["keygen", str(tmp_path / "keys"), "--name", "rank"]) == 0
+    secret = tmp_path / "keys" / "rank.key_secret"
+    assert secret.stat().st_mode & 0o077 == 0
+    keys = SessionKeys.from_files(secret, [tmp_path / "keys"])
+    assert keys.trusted == {keys.public}
+    env = {"XFERKIT_SECRET_KEY_FILE": str(secret), "XFERKIT_TRUSTED_KEYS": str(tmp_path / "keys")}
+    loaded = SessionKeys.from_env(env)
+    assert loaded is not None and loaded.public == keys.public
+    assert keys.secret.decode() not in repr(keys)
+    with pytest.raises(XferError, match="Z85"):
+        SessionKeys("~" * 40, keys.secret, [keys.public])

@@ -1,0 +1,156 @@
+"""Both sides in one process over MockDriver: driver faults and drivers without notifications."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from xferkit import Backend, Manifest, Status, XferError
+from xferkit.session import RequestError, Session, State
+from xferkit.testing import Reference, RegionSpec, gdn_hybrid
+from xferkit.testing.mock import STALL, Call, MockDriver
+
+SLOTS = {"kv": 8, "state": 4}
+
+
+def _session(driver: MockDriver, manifest: Manifest) -> Session:
+    return Session(Backend(driver), manifest, heartbeat_s=0.2, dead_after_s=2.0)
+
+
+def _pair(
+    driver_src: MockDriver, driver_dst: MockDriver, dst_specs: list[RegionSpec] | None = None
+) -> tuple[Reference, Session, Session]:
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    dst = ref.dsts[0].manifest
+    if dst_specs is not None:
+        other = Reference(dst_specs, src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+        dst = other.dsts[0].manifest
+        ref.dsts = other.dsts  # keeps that memory alive with the reference
+    return ref, _session(driver_src, ref.srcs[0].manifest), _session(driver_dst, dst)
+
+
+def test_a_driver_failure_is_the_root_cause_on_both_sides() -> None:
+    def fail_posts(call: Call) -> str | None:
+        return "NIC on fire" if call.op == "post" else None
+
+    _, pre, dec = _pair(MockDriver(fail_posts), MockDriver())
+    try:
+        recv = dec.expect("r", pre.address, {"kv": [1, 2]})
+        send = pre.offer("r")
+        send.write({"kv": [3, 4]}, last=True)
+        for h in (send, recv):
+            with pytest.raises(RequestError, match="NIC on fire"):
+                h.wait(5)
+        assert send.poll() is State.FAILED and recv.poll() is State.FAILED
+        assert send.error is not None and recv.error is not None
+        assert send.error.stage == recv.error.stage == "transfer"
+        assert "NIC on fire" in str(recv.error) and str(send.error) == str(recv.error)
+        assert dec.progress() == ["r"] and pre.progress() == ["r"]
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_without_notifications_completion_travels_as_a_control_message() -> None:
+    src, dst = MockDriver(notifications=False), MockDriver(notifications=False)
+    ref, pre, dec = _pair(src, dst)
+    try:
+        recv = dec.expect("r", [pre.address], {"kv": [5, 6, 7], "state": [1]})
+        send = pre.offer("r")
+        send.write({"kv": [0], "state": [2]})
+        send.write({"kv": [1, 2]}, last=True)
+        assert recv.wait(5) is State.DONE and send.wait(5) is State.DONE
+        ref.check(0, {"kv": ([0, 1, 2], [5, 6, 7]), "state": ([2], [1])})
+        assert not dst.of("notifications")  # never asked a driver that has none
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_decode_abort_returns_only_after_the_stalled_write_was_drained() -> None:
+    src = MockDriver(lambda call: STALL if call.op == "post" else None)
+    ref, pre, dec = _pair(src, MockDriver())
+    try:
+        recv = dec.expect("r", [pre.address], {"kv": [1, 2]})
+        send = pre.offer("r")
+        send.write({"kv": [3, 4]}, last=True)
+        while send.poll() is not State.TRANSFERRING:
+            time.sleep(0.005)
+        assert src.handles and src.handles[0].poll() is Status.PENDING
+        recv.abort(5)
+        # FAILED only once the source released (cancelled) the write that was in flight
+        assert recv.poll() is State.FAILED and src.handles[0].released == 1
+        assert send.poll() is State.FAILED
+        assert recv.error is not None and send.error is not None
+        assert recv.error.stage == send.error.stage == "abort"
+        assert str(recv.error) == str(send.error)
+        ref.check(0, {})  # not one byte landed
+        again = dec.expect("r2", [pre.address], {"kv": [1, 2]})  # the slots, reused at once
+        assert again.poll() in (State.HANDSHAKING, State.WAITING)
+        again.abort(5)
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_plan_error_reads_the_same_on_both_sides() -> None:
+    other = gdn_hybrid(head_dim=8)  # the decode engine runs another head size
+    _, pre, dec = _pair(MockDriver(), MockDriver(), dst_specs=other)
+    try:
+        recv = dec.expect("r", [pre.address], {"kv": [1]})
+        send = pre.offer("r")
+        for h in (recv, send):
+            with pytest.raises(RequestError):
+                h.wait(5)
+        assert recv.error is not None and send.error is not None
+        assert recv.error.stage == send.error.stage == "plan"
+        assert str(recv.error) == str(send.error)
+        assert "region kv/k" in str(recv.error) and "prefill rank 0" in str(recv.error)
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_prefill_rank_refuses_a_request_id_it_already_finished() -> None:
+    ref, pre, dec = _pair(MockDriver(), MockDriver())
+    second = _session(MockDriver(), ref.dsts[0].manifest)
+    try:
+        recv = dec.expect("r", [pre.address], {"kv": [1]})
+        pre.offer("r").write({"kv": [2]}, last=True)
+        assert recv.wait(5) is State.DONE
+        late = second.expect("r", [pre.address], {"kv": [3]})
+        with pytest.raises(RequestError, match="already used") as info:
+            late.wait(5)
+        assert info.value.stage == "request"
+    finally:
+        for s in (pre, dec, second):
+            s.close()
+
+
+def test_session_arguments_are_checked() -> None:
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    with pytest.raises(XferError, match="Backend"):
+        Session(object(), ref.srcs[0].manifest)  # type: ignore[arg-type]
+    with pytest.raises(XferError, match="dead_after_s"):
+        Session(Backend(MockDriver()), ref.srcs[0].manifest, heartbeat_s=2, dead_after_s=1)
+    s = _session(MockDriver(), ref.srcs[0].manifest)
+    try:
+        with pytest.raises(XferError, match="unknown pool"):
+            s.expect("a", ["tcp://127.0.0.1:1"], {"nope": [1]})
+        with pytest.raises(XferError, match="out of range"):
+            s.expect("a", ["tcp://127.0.0.1:1"], {"kv": [SLOTS["kv"]]})
+        with pytest.raises(XferError, match="twice"):
+            s.expect("a", ["tcp://127.0.0.1:1"], {"kv": [1, 1]})
+        with pytest.raises(XferError, match="request id"):
+            s.offer(7)  # type: ignore[arg-type]
+        send = s.offer("b")
+        with pytest.raises(XferError, match="out of range"):
+            send.write({"kv": [-1]})
+        send.write({"kv": [1]}, last=True)
+        with pytest.raises(XferError, match="after the last chunk"):
+            send.write({"kv": [2]})
+    finally:
+        s.close()
+    with pytest.raises(XferError, match="closed"):
+        s.offer("c")
