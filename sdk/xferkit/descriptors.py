@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +29,6 @@ class Descriptors:
     """
 
     __slots__ = ("_seal", "dst", "nbytes", "src")
-    _FIELDS: ClassVar[tuple[str, str, str]]
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         self.src, self.dst, self.nbytes = src, dst, nbytes
@@ -52,10 +51,11 @@ class Descriptors:
 
         The maker fills them once, inside ``filling()``, before handing them out.
         """
-        raws = tuple(_new_bytes(None, 8 * count) if count else b"" for _ in range(3))
-        arrays = tuple(np.frombuffer(raw, dtype=np.uint64) for raw in raws)
-        for a in arrays:
-            _hugepages(a.ctypes.data, a.nbytes)
+        raw = _new_bytes(None, 24 * count) if count else b""  # the three arrays, end to end
+        whole = np.frombuffer(raw, dtype=np.uint64)
+        if 24 * count >= _HUGE:
+            _hugepages(_address(whole), whole.nbytes)
+        arrays = (whole[:count], whole[count : 2 * count], whole[2 * count :])
         out = cls(*arrays)
         out._seal = (src, dst, arrays)
         return out
@@ -63,10 +63,11 @@ class Descriptors:
     @contextlib.contextmanager
     def filling(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Writable aliases of a freshly sealed set's arrays, for its maker only."""
-        aliases = tuple(_alias(a) for a in (self.src, self.dst, self.nbytes))
-        yield aliases  # type: ignore[misc]
-
-    _FIELDS = ("src", "dst", "nbytes")
+        n = len(self)
+        whole = self.src.base
+        assert isinstance(whole, np.ndarray) and whole.size == 3 * n
+        alias = _alias(whole)
+        yield alias[:n], alias[n : 2 * n], alias[2 * n :]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptors):
@@ -116,7 +117,25 @@ def _alias(a: np.ndarray) -> np.ndarray:
     """
     if not a.size:
         return np.empty(0, dtype=np.uint64)
-    return np.ctypeslib.as_array((ctypes.c_uint64 * a.size).from_address(a.ctypes.data))
+    return np.asarray(_Memory(_address(a), a.size))
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+class _Memory:
+    """Raw uint64 memory seen through the array interface (no ctypes type per size)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, addr: int, count: int) -> None:
+        self.__array_interface__ = {
+            "data": (addr, False),
+            "shape": (count,),
+            "typestr": "<u8",
+            "version": 3,
+        }
 
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # uninitialised: filled by the maker
@@ -128,6 +147,9 @@ _madvise: Any = None
 with contextlib.suppress(OSError, AttributeError):  # not Linux: no advice, just more faults
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+_HUGE = 1 << 22  # worth advising from a few huge pages up
 
 
 def _hugepages(addr: int, size: int) -> None:

@@ -43,9 +43,9 @@ def test_an_unlocked_seal_cannot_be_forged() -> None:
                 root = root.base
             with pytest.raises(ValueError):
                 root.setflags(write=True)
-            assert isinstance(array.base, bytes)  # immutable memory
+            assert isinstance(root.base, bytes)  # immutable memory at the bottom
             with pytest.raises(ValueError):
-                np.frombuffer(array.base, dtype=np.uint64)[0] = 1 << 40
+                np.frombuffer(root.base, dtype=np.uint64)[0] = 1 << 40
             with pytest.raises(ValueError):
                 array[0] = 1 << 40
         # Swapping an attribute keeps the bytes honest: the seal goes, the scan refuses.
