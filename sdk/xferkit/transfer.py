@@ -98,18 +98,25 @@ class Transfer:
         if self.error is not None:
             raise self.error
 
-    def abort(self, why: str = "aborted by the caller", timeout: float = 10.0) -> None:
+    def abort(
+        self, why: str = "aborted by the caller", timeout: float = 10.0, *, wait: bool = True
+    ) -> None:
         """End a pending write as FAILED; return once no byte of it can land any more.
 
         Nothing more is posted and every posted batch is released (cancelled);
         then this waits, at most ``timeout`` seconds, for the driver to report
         each one ended. Raises ``TransferError`` if the driver has not by then
-        (the write stays PENDING until it has).
+        (the write stays PENDING until it has). With ``wait=False`` it returns at
+        once: ``poll()`` turns FAILED when the driver has let go (an event loop
+        that must not block polls it).
         """
         limit = time.monotonic() + seconds(timeout, "timeout")
         with self._lock:
             if self._status is Status.PENDING and self.error is None:
                 self._fail(why)
+        if not wait:
+            self.poll()
+            return
         while self.poll() is Status.PENDING:
             left = limit - time.monotonic()
             if left <= 0:

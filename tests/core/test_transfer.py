@@ -129,3 +129,17 @@ def test_polls_from_several_threads_post_the_notified_batch_once() -> None:
             time.sleep(0.01)
             notes += b.notifications()
             assert [n.message for n in notes] == [b"r%d" % r]  # one notified batch, one message
+
+
+def test_abort_without_waiting_returns_at_once_and_fails_when_drained() -> None:
+    from xferkit.testing.mock import STALL
+
+    def stall(call: Call) -> str | None:
+        return STALL if call.op == "post" else None
+
+    with mock_pair(stall) as p:
+        d, _ = p.descs(1, 16)
+        t = p.a.write(p.peer, d)
+        t.abort("engine loop", wait=False)
+        assert t.poll() is Status.FAILED  # the mock lets go on release
+        assert t.error is not None and "engine loop" in str(t.error)
