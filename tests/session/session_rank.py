@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 import xferkit as xk
 from xferkit.session import Receive, Send, Session, SessionKeys
@@ -34,6 +35,9 @@ class Setup(msgspec.Struct, tag=True):
     session: dict[str, float] = {}
     seed: int = 0
     bind: str = "tcp://127.0.0.1:0"
+    group: str = ""  # the session address of the rank serving this rank's group roster
+    layers: int = 4  # gdn_hybrid layers: more layers, more descriptors per request
+    slots: dict[str, int] = {}  # slots per pool, both sides (default SLOTS)
 
 
 class Expect(msgspec.Struct, tag=True):
@@ -66,11 +70,40 @@ class Check(msgspec.Struct, tag=True):
     slots: dict[str, tuple[list[int], list[int]]]
 
 
+class Fill(msgspec.Struct, tag=True):
+    """Overwrite these destination slots with ``value`` (the engine reuses them)."""
+
+    slots: Slots
+    value: int
+
+
+class Verify(msgspec.Struct, tag=True):
+    """Fail unless these destination slots still hold ``value`` everywhere."""
+
+    slots: Slots
+    value: int
+
+
+class Landed(msgspec.Struct, tag=True):
+    """How many (region, slot) cells of a request already hold the reference bytes."""
+
+    slots: dict[str, tuple[list[int], list[int]]]
+
+
+class Renew(msgspec.Struct, tag=True):
+    """Decode side, before Expect: ask the sources to keep holding ``rid``."""
+
+    rid: str
+    sources: list[str]
+
+
 class Quit(msgspec.Struct, tag=True):
     pass
 
 
-Command = Setup | Expect | Offer | Write | Wait | Abort | Check | Quit
+Command = (
+    Setup | Expect | Offer | Write | Wait | Abort | Check | Fill | Verify | Landed | Quit | Renew
+)
 
 
 class Reply(msgspec.Struct):
@@ -80,15 +113,34 @@ class Reply(msgspec.Struct):
     state: str = ""
     stage: str = ""
     elapsed: float = 0.0
+    count: int = 0
+    total: int = 0
 
 
 SLOTS = {"kv": 32, "state": 8}
 
 
-def reference(src_tp: int, dst_tp: int, seed: int) -> Reference:
+def reference(
+    src_tp: int, dst_tp: int, seed: int, layers: int = 4, slots: dict[str, int] | None = None
+) -> Reference:
+    counts = slots or SLOTS
     return Reference(
-        gdn_hybrid(), src_tp=src_tp, dst_tp=dst_tp, src_slots=SLOTS, dst_slots=SLOTS, seed=seed
+        gdn_hybrid(layers),
+        src_tp=src_tp,
+        dst_tp=dst_tp,
+        src_slots=counts,
+        dst_slots=counts,
+        seed=seed,
     )
+
+
+def _cells(ref: Reference, index: int, slots: Slots) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(array, rows named by ``slots``) for every non-empty region of dst rank ``index``."""
+    out = []
+    for key, arr in ref.dsts[index].arrays.items():
+        if key[0] in slots and arr.size:
+            out.append((arr, np.asarray(slots[key[0]], dtype=np.int64)))
+    return out
 
 
 def serve() -> None:
@@ -106,11 +158,20 @@ def serve() -> None:
             if isinstance(cmd, Quit):
                 break
             if isinstance(cmd, Setup):
-                ref, index = reference(cmd.src_tp, cmd.dst_tp, cmd.seed), cmd.index
+                ref = reference(cmd.src_tp, cmd.dst_tp, cmd.seed, cmd.layers, cmd.slots)
+                index = cmd.index
                 rank = (ref.srcs if cmd.role == "src" else ref.dsts)[index]
                 keys = None if cmd.keys is None else SessionKeys(*cmd.keys)
                 backend = xk.open_backend(cmd.backend, **cmd.options)
-                session = Session(backend, rank.manifest, bind=cmd.bind, keys=keys, **cmd.session)  # type: ignore[arg-type]
+                group = cmd.group or None
+                session = Session(
+                    backend,
+                    rank.manifest,
+                    bind=cmd.bind,
+                    keys=keys,
+                    group=group,
+                    **cmd.session,  # type: ignore[arg-type]
+                )
                 reply = Reply(True, address=session.address)
             elif session is None or ref is None:
                 reply = Reply(False, "send Setup first")
@@ -138,8 +199,28 @@ def serve() -> None:
                     error="" if err is None else str(err),
                     stage="" if err is None else err.stage,
                 )
+            elif isinstance(cmd, Renew):
+                session.renew(cmd.rid, cmd.sources)
             elif isinstance(cmd, Check):
                 ref.check(index, cmd.slots)
+            elif isinstance(cmd, Fill):
+                for arr, rows in _cells(ref, index, cmd.slots):
+                    arr[rows] = cmd.value
+            elif isinstance(cmd, Verify):
+                for arr, rows in _cells(ref, index, cmd.slots):
+                    bad = np.flatnonzero((arr[rows] != cmd.value).reshape(rows.size, -1).any(1))
+                    if bad.size:
+                        raise AssertionError(f"slot {int(rows[bad[0]])} was written after reuse")
+            elif isinstance(cmd, Landed):
+                want = ref.expected(index, cmd.slots)
+                dst = {pool: pair[1] for pool, pair in cmd.slots.items()}
+                for key, arr in ref.dsts[index].arrays.items():
+                    if key[0] not in dst or not arr.size:
+                        continue
+                    rows = np.asarray(dst[key[0]], dtype=np.int64)
+                    same = (arr[rows] == want[key][rows]).reshape(rows.size, -1).all(1)
+                    reply.count += int(same.sum())
+                    reply.total += rows.size
         except Exception as exc:
             reply = Reply(False, f"{type(exc).__name__}: {exc}")
         reply.elapsed = time.monotonic() - started

@@ -1,4 +1,4 @@
-"""Prefill TP 2 -> decode TP 4 through Sessions, every rank in its own process.
+"""Prefill TP 2 -> decode TP 4 and TP 4 -> TP 2 through Sessions, every rank in its own process.
 
 Each rank builds the same reference model (GDN hybrid: GQA KV pages, conv and
 temporal state, an empty short-conv state), so a decode rank checks every byte
@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import pytest
 from session_rank import Abort, Check, Expect, Offer, RankProcess, Setup, Wait, Write, start
 
-SRC_TP, DST_TP = 2, 4
+TOPOLOGIES = [(2, 4), (4, 2)]  # (prefill TP, decode TP)
 
 
 class Cluster:
-    def __init__(self, procs: list[RankProcess]) -> None:
-        self.pre = procs[:SRC_TP]
-        self.dec = procs[SRC_TP:]
+    def __init__(self, procs: list[RankProcess], src_tp: int) -> None:
+        self.pre = procs[:src_tp]
+        self.dec = procs[src_tp:]
         self.sources = [p.address for p in self.pre]
         self.written: dict[str, tuple[list[int], list[int]]] = {"kv": ([], []), "state": ([], [])}
 
@@ -40,13 +40,18 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(BACKENDS))
+@pytest.fixture(
+    scope="module",
+    params=[(b, t) for b in sorted(BACKENDS) for t in TOPOLOGIES],
+    ids=lambda p: f"{p[0]}-tp{p[1][0]}to{p[1][1]}",
+)
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    name, options = request.param, BACKENDS[request.param]
-    setups = [Setup("src", i, SRC_TP, DST_TP, name, options) for i in range(SRC_TP)]
-    setups += [Setup("dst", i, SRC_TP, DST_TP, name, options) for i in range(DST_TP)]
+    name, (src_tp, dst_tp) = request.param
+    options = BACKENDS[name]
+    setups = [Setup("src", i, src_tp, dst_tp, name, options) for i in range(src_tp)]
+    setups += [Setup("dst", i, src_tp, dst_tp, name, options) for i in range(dst_tp)]
     procs = start(setups)
-    yield Cluster(procs)
+    yield Cluster(procs, src_tp)
     for p in procs:
         p.close()
 

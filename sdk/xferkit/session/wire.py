@@ -14,7 +14,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Sent in ``Hello``/``Welcome``; a peer speaking another version is refused at handshake."""
 
 MAX_MESSAGE = 64 << 20
@@ -145,7 +145,69 @@ class Bye(_Msg, frozen=True, tag="bye"):
     reason: Text
 
 
-Message = Hello | Welcome | Request | Abort | AbortAck | Fail | Written | Ping | Pong | Bye
+class Renew(_Msg, frozen=True, tag="renew"):
+    """Decode -> prefill: keep holding these requests (written, not yet claimed) for another
+    lease each; ids held nowhere here are ignored."""
+
+    rids: Annotated[list[RequestId], msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class Join(_Msg, frozen=True, tag="join"):
+    """Group member -> the rank serving the group's roster, every heartbeat: here I am."""
+
+    incarnation: U64
+    address: Name
+    tp_rank: Rank
+    tp_size: Size
+    pp_rank: Rank
+    pp_size: Size
+
+
+class Joined(_Msg, frozen=True, tag="joined"):
+    """Roster server -> member, the reply to ``Join``; ``error`` when it was refused."""
+
+    error: Text = ""
+
+
+class Lookup(_Msg, frozen=True, tag="lookup"):
+    """Decode -> roster server: which ranks make up the group, at which session addresses?"""
+
+
+class Member(msgspec.Struct, frozen=True, array_like=True):
+    """One rank of a group: its session address and place in the TP x PP grid."""
+
+    address: Name
+    tp_rank: Rank
+    pp_rank: Rank
+
+
+class Roster(_Msg, frozen=True, tag="roster"):
+    """Roster server -> decode, the reply to ``Lookup``: the ranks known so far, ordered by
+    (pp_rank, tp_rank); complete when there are ``tp_size * pp_size`` of them."""
+
+    tp_size: Size
+    pp_size: Size
+    ranks: Annotated[list[Member], msgspec.Meta(max_length=4096)]
+    error: Text = ""
+
+
+Message = (
+    Hello
+    | Welcome
+    | Request
+    | Abort
+    | AbortAck
+    | Fail
+    | Written
+    | Ping
+    | Pong
+    | Bye
+    | Renew
+    | Join
+    | Joined
+    | Lookup
+    | Roster
+)
 
 
 class Tag(msgspec.Struct, frozen=True, array_like=True):

@@ -1,0 +1,300 @@
+"""The Session's cost over the transfer itself, across two processes.
+
+The prefill rank runs in a child process (its Session, plus direct
+``Backend.write`` of the same descriptors for the baseline); the decode rank
+runs here. The layer set is one rank of a Llama-70B TP-8 deployment (80
+layers, k and v, one KV head of 128, pages of 64 tokens, bf16: 160 regions,
+16 KiB per page and region). Measured:
+
+- latency: one-page requests one after another, ``expect`` -> DONE at the
+  decode rank (prefill offered and wrote first), against the same descriptors
+  written directly (``write().wait()`` in the prefill process); the difference
+  is the control plane's cost. Also with CurveZMQ keys (the encryption's cost).
+- rate: one-page requests pipelined in blocks through one pair, against the
+  same writes pipelined directly.
+- big: an 8192-token request (128 pages, 20480 descriptors, 320 MiB) through
+  a Session against the same descriptors written directly, alternating, per
+  driver (loopback, mooncake over TCP, nixl over UCX host memory).
+
+Prints a table and writes benchmarks/results/session.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import zmq
+from report import default_out, save
+
+import xferkit as xk
+from xferkit.session import Session, SessionKeys, State
+
+LAYERS, HEAD_DIM, PAGE, BF16 = 80, 128, 64, 2  # one KV head per rank (8 heads, TP 8)
+TOKENS = 8192
+BIG_PAGES = TOKENS // PAGE
+DRIVERS = {
+    "loopback": {},
+    "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
+    "nixl": {},
+}
+
+
+def manifest(pool_pages: int, seed: int) -> tuple[xk.Manifest, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    arrays, regions = [], []
+    for layer in range(LAYERS):
+        for name in ("k", "v"):
+            a = rng.integers(0, 256, (pool_pages, PAGE, 1, HEAD_DIM * BF16), dtype=np.uint8)
+            arrays.append(a)
+            regions.append(
+                xk.Region(
+                    pool="kv",
+                    name=name,
+                    layer=layer,
+                    addr=a.ctypes.data,
+                    nbytes=a.nbytes,
+                    slot_shape=(PAGE, 1, HEAD_DIM),
+                    itemsize=BF16,
+                    tp_axis=1,
+                )
+            )
+    return xk.Manifest.build(regions, tp_rank=0, tp_size=1), arrays
+
+
+def _keys(spec: tuple[bytes, bytes] | None) -> SessionKeys | None:
+    return None if spec is None else SessionKeys(spec[0], spec[1], [spec[0]])
+
+
+# -- the prefill process --------------------------------------------------------------
+
+
+def prefill(conn: Connection) -> None:
+    logging.basicConfig(level=logging.ERROR)
+    driver, options, pool, keys = conn.recv()
+    m, arrays = manifest(pool, seed=1)
+    session = Session(xk.open_backend(driver, **options), m, keys=_keys(keys))
+    conn.send(session.address)
+    peer: xk.Peer | None = None
+    p: xk.Plan | None = None
+    sends = []
+    while True:
+        cmd = conn.recv()
+        kind = cmd[0]
+        if kind == "quit":
+            break
+        if kind == "connect":  # for direct writes: the decode rank's endpoint and manifest
+            dst = xk.Manifest.decode(cmd[2])
+            peer = session.backend.connect(cmd[1], dst)
+            p = xk.plan(m, dst)
+            conn.send(True)
+        elif kind == "offer":  # prefill first: offer and write every request named
+            _, rids, src = cmd
+            for rid in rids:
+                s = session.offer(rid)
+                s.write({"kv": src}, last=True)
+                sends.append(s)
+            conn.send(True)
+        elif kind == "reap":  # wait for the sends of finished requests
+            for s in sends:
+                assert s.wait(60) is State.DONE
+            sends.clear()
+            session.progress()
+            conn.send(True)
+        elif kind == "direct":  # the same descriptors, written directly: latency per write
+            _, src, dst_slots, repeat, pipelined = cmd
+            assert p is not None and peer is not None
+            descs = p.expand({"kv": (src, dst_slots)})
+            session.backend.write(peer, descs).wait(60)  # warm
+            if pipelined:
+                t = time.perf_counter()
+                for ts in [session.backend.write(peer, descs) for _ in range(repeat)]:
+                    ts.wait(60)
+                conn.send([time.perf_counter() - t])
+            else:
+                out = []
+                for _ in range(repeat):
+                    t = time.perf_counter()
+                    session.backend.write(peer, descs).wait(60)
+                    out.append(time.perf_counter() - t)
+                conn.send(out)
+    if peer is not None:
+        session.backend.disconnect(peer)
+    session.close()
+    del arrays
+
+
+# -- the decode process (this one) -------------------------------------------------------
+
+
+class Pair:
+    def __init__(self, driver: str, pool: int, keys: tuple[bytes, bytes] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=prefill, args=(child,), daemon=True)
+        self.proc.start()
+        self.conn.send((driver, DRIVERS[driver], pool, keys))
+        self.manifest, self.arrays = manifest(pool, seed=2)
+        self.session = Session(
+            xk.open_backend(driver, **DRIVERS[driver]), self.manifest, keys=_keys(keys)
+        )
+        self.source = self.conn.recv()
+        self.ask("connect", self.session.backend.endpoint(), self.manifest.encode())
+        self.n = 0
+
+    def ask(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def rids(self, count: int) -> list[str]:
+        out = [f"r{self.n + i}" for i in range(count)]
+        self.n += count
+        return out
+
+    def one_by_one(
+        self, count: int, src: list[int], dst: list[int], block: int = 20
+    ) -> list[float]:
+        """expect -> DONE per request, prefill having offered and written first."""
+        out: list[float] = []
+        while len(out) < count:
+            rids = self.rids(block)
+            self.ask("offer", rids, src)
+            for rid in rids:
+                t = time.perf_counter()
+                state = self.session.expect(rid, self.source, {"kv": dst}).wait(60)
+                out.append(time.perf_counter() - t)
+                assert state is State.DONE
+            self.ask("reap")
+        self.session.progress()
+        return out[:count]
+
+    def pipelined(self, count: int, src: list[int], dst: list[int], block: int) -> float:
+        """Requests per second, ``block`` in flight at a time (all into the same slots)."""
+        took = 0.0
+        done = 0
+        while done < count:
+            rids = self.rids(block)
+            self.ask("offer", rids, src)
+            t = time.perf_counter()
+            recvs = [self.session.expect(rid, self.source, {"kv": dst}) for rid in rids]
+            for r in recvs:
+                assert r.wait(60) is State.DONE
+            took += time.perf_counter() - t
+            done += block
+            self.ask("reap")
+        self.session.progress()
+        return done / took
+
+    def close(self) -> None:
+        self.conn.send(("quit",))
+        self.proc.join(30)
+        self.session.close()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def latency(driver: str, count: int, keys: tuple[bytes, bytes] | None) -> dict[str, Any]:
+    pair = Pair(driver, 8, keys)
+    try:
+        pair.one_by_one(50, [1], [2])  # warm: handshake, first plans
+        session = pair.one_by_one(count, [1], [2])
+        direct = pair.ask("direct", [1], [2], count, False)
+        rate = pair.pipelined(count * 4, [1], [2], block=64)
+        direct_rate = count * 4 / pair.ask("direct", [1], [2], count * 4, True)[0]
+    finally:
+        pair.close()
+    base = statistics.median(direct)
+    extra = [s - base for s in session]
+    return {
+        "test": "one page",
+        "driver": driver,
+        "keys": keys is not None,
+        "requests": count,
+        "session_median_ms": statistics.median(session) * 1e3,
+        "session_p99_ms": _pct(session, 99) * 1e3,
+        "direct_median_ms": base * 1e3,
+        "direct_p99_ms": _pct(direct, 99) * 1e3,
+        "control_median_ms": statistics.median(extra) * 1e3,
+        "control_p99_ms": _pct(extra, 99) * 1e3,
+        "session_req_s": rate,
+        "direct_req_s": direct_rate,
+    }
+
+
+def big(driver: str, repeat: int) -> dict[str, Any]:
+    pair = Pair(driver, BIG_PAGES)
+    src = list(range(BIG_PAGES))
+    dst = [(37 * i) % BIG_PAGES for i in range(BIG_PAGES)]  # scattered pages
+    try:
+        pair.one_by_one(1, src, dst, block=1)  # warm
+        pair.ask("direct", src, dst, 1, False)
+        session, direct = [], []
+        for _ in range(repeat):  # alternating, so drift hits both alike
+            session += pair.one_by_one(1, src, dst, block=1)
+            direct += pair.ask("direct", src, dst, 1, False)
+    finally:
+        pair.close()
+    nbytes = BIG_PAGES * LAYERS * 2 * PAGE * HEAD_DIM * BF16
+    s, d = statistics.median(session), statistics.median(direct)
+    return {
+        "test": "llama70b 8192 tokens",
+        "driver": driver,
+        "descriptors": BIG_PAGES * LAYERS * 2,
+        "mib": nbytes / 2**20,
+        "session_s": session,
+        "direct_s": direct,
+        "session_gbps": nbytes / s / 1e9,
+        "direct_gbps": nbytes / d / 1e9,
+        "ratio": d / s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--drivers", default=",".join(DRIVERS))
+    parser.add_argument("--out", default=default_out("session"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    public, secret = zmq.curve_keypair()
+    rows = [
+        latency("loopback", args.requests, None),
+        latency("loopback", args.requests, (public, secret)),
+    ]
+    print(
+        f"{'one page (160 descs, 2.5 MiB)':<32}{'median ms':>10}{'p99 ms':>8}"
+        f"{'direct ms':>10}{'ctl med':>8}{'ctl p99':>8}{'req/s':>8}{'direct/s':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['driver'] + (' + curve' if r['keys'] else ''):<32}"
+            f"{r['session_median_ms']:>10.3f}{r['session_p99_ms']:>8.3f}"
+            f"{r['direct_median_ms']:>10.3f}{r['control_median_ms']:>8.3f}"
+            f"{r['control_p99_ms']:>8.3f}{r['session_req_s']:>8.0f}{r['direct_req_s']:>9.0f}"
+        )
+    enc = rows[1]["session_median_ms"] - rows[0]["session_median_ms"]
+    print(f"CurveZMQ cost per request (median latency with keys - without): {enc:.3f} ms")
+    bigs = [big(d, args.repeat) for d in args.drivers.split(",")]
+    print(
+        f"\n{'8192 tokens':<12}{'descs':>8}{'MiB':>6}{'session GB/s':>14}"
+        f"{'direct GB/s':>13}{'ratio':>7}"
+    )
+    for r in bigs:
+        print(
+            f"{r['driver']:<12}{r['descriptors']:>8}{r['mib']:>6.0f}{r['session_gbps']:>14.2f}"
+            f"{r['direct_gbps']:>13.2f}{r['ratio']:>7.3f}"
+        )
+    save(args.out, rows + bigs, requests=args.requests, repeat=args.repeat, curve_ms=enc)
+
+
+if __name__ == "__main__":
+    main()

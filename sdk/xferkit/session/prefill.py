@@ -1,0 +1,370 @@
+"""The prefill side: a ``Send`` per request, its chunks written as destinations are known.
+
+Each decode rank's ``Request`` names its slots; each chunk of ``Send.write``
+maps onto the next unfilled ones, expanded through the pair's plan and
+written with the completion tag riding on the notification. Chunks written
+before the decode side asked are held, under a lease once the last one is
+in. A failing request aborts its writes without waiting (``Transfer.abort``
+with ``wait=False``) and is settled, its ``Fail`` / ``AbortAck`` sent, once
+every write reports terminal on a later pass of the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..driver import Status
+from ..errors import PlanError, XferError
+from ..transfer import Transfer
+from . import wire
+from .core import DRAIN_S, Core, log, remember, stage_text
+from .handles import RequestError, Send, State
+from .handshake import Down
+
+
+class Dst:
+    """One decode rank's part of a prefill request."""
+
+    def __init__(self, down: Down, msg: wire.Request) -> None:
+        self.down = down
+        self.gen = msg.gen
+        self.needed = msg.needed
+        self.slots = {p: np.asarray(s, dtype=np.int64) for p, s in msg.slots.items()}
+        self.cursor = dict.fromkeys(self.slots, 0)
+        self.seq = 0
+        self.last = False
+        self.transfers: list[tuple[Transfer, wire.Tag | None]] = []  # tag None: completed
+
+
+class SendRec:
+    """A prefill request as the I/O thread tracks it."""
+
+    def __init__(self, rid: str, deadline: float) -> None:
+        self.rid = rid
+        self.handle: Send | None = None
+        self.dsts: dict[int, Dst] = {}
+        self.dst_size: int | None = None
+        self.chunks: list[tuple[dict[str, np.ndarray], bool]] = []
+        self.last = False
+        self.deadline = deadline
+        self.lease_until: float | None = None  # set while written, held and unclaimed
+        self.error: RequestError | None = None
+
+
+class Drain:
+    """Aborted writes still leaving the driver, and what to do once they have."""
+
+    def __init__(
+        self,
+        rid: str | None,
+        transfers: list[Transfer],
+        then: Callable[[], None],
+        answers: frozenset[bytes] = frozenset(),
+    ) -> None:
+        self.rid = rid
+        self.answers = answers  # the decode ranks ``then`` answers
+        self.transfers = transfers
+        self.then = then
+        self.deadline = time.monotonic() + DRAIN_S
+
+    def settled(self, now: float) -> bool:
+        pending = [t for t in self.transfers if t.poll() is Status.PENDING]
+        if pending and now > self.deadline:
+            log.error(
+                "request %r: %d aborted writes still in the driver after %s s; going on",
+                self.rid,
+                len(pending),
+                DRAIN_S,
+            )
+            return True
+        return not pending
+
+
+class PrefillSide(Core):
+    """Sends: requests from decode ranks, chunks from the engine, writes, leases, drains."""
+
+    def _on_down_message(self, down: Down, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Ping):
+            if msg.incarnation != down.hello.incarnation:
+                log.warning(
+                    "%s: ping with a changed incarnation from %s: dropped",
+                    self.address,
+                    down.where(),
+                )
+                return
+            self._to_down(down.ident, wire.Pong(incarnation=self.incarnation))
+        elif isinstance(msg, wire.Request):
+            self._on_request(down, msg)
+        elif isinstance(msg, wire.Abort | wire.Fail):
+            self._on_remote_fail(down, msg)
+        elif isinstance(msg, wire.Renew):
+            for rid in msg.rids:
+                rec = self._sends.get(rid)
+                if rec is not None and rec.lease_until is not None:
+                    rec.lease_until = time.monotonic() + self.lease_s
+                else:
+                    log.info("%s: renewal of %r, which is not held: dropped", self.address, rid)
+        elif isinstance(msg, wire.Bye):
+            self._lose_down(down, f"{down.where()} closed its session: {msg.reason}")
+        else:
+            log.warning(
+                "%s: unexpected %s from %s: dropped", self.address, type(msg).__name__, down.where()
+            )
+
+    def _send_rec(self, rid: str) -> SendRec:
+        rec = self._sends.get(rid)
+        if rec is None:
+            rec = self._sends[rid] = SendRec(rid, time.monotonic() + self.request_timeout_s)
+        return rec
+
+    def _on_request(self, down: Down, msg: wire.Request) -> None:
+        def fail(stage: str, text: str) -> None:
+            self._to_down(down.ident, wire.Fail(rid=msg.rid, gen=msg.gen, stage=stage, text=text))
+
+        where = self.where("prefill")
+        failed = self._failed.get(msg.rid) or self._early.get(msg.rid)
+        if failed is not None:  # it failed here before this rank asked: the root cause
+            fail(failed.stage, failed.args[0])
+            return
+        problem = None
+        if msg.rid in self._finished:
+            problem = f"request id {msg.rid!r} was already used with this prefill rank"
+        elif down.error is not None:  # the handshake failed: both sides report its text
+            fail(*down.error)
+            return
+        elif msg.dst_rank != down.hello.tp_rank or msg.dst_size != down.hello.tp_size:
+            problem = (
+                f"decode rank {down.hello.tp_rank} sent a request as rank "
+                f"{msg.dst_rank}/{msg.dst_size}"
+            )
+        rec = self._sends.get(msg.rid)
+        if problem is None and rec is not None and msg.dst_rank in rec.dsts:
+            problem = f"decode rank {msg.dst_rank} sent request {msg.rid!r} twice"
+        if problem is None and rec is not None and rec.dst_size not in (None, msg.dst_size):
+            problem = f"decode ranks disagree on their TP size ({rec.dst_size} and {msg.dst_size})"
+        if problem is not None:
+            fail("request", stage_text(msg.rid, "request", where, problem))
+            return
+        assert down.plan is not None
+        if msg.needed == down.plan.empty:
+            detail = (
+                f"the plans disagree: decode rank {msg.dst_rank} says it "
+                f"{'needs' if msg.needed else 'does not need'} this source"
+            )
+            fail("plan", stage_text(msg.rid, "plan", where, detail))
+            return
+        rec = self._send_rec(msg.rid)
+        if rec.lease_until is not None:  # claimed: the request's own deadline runs again
+            rec.lease_until = None
+            rec.deadline = time.monotonic() + self.request_timeout_s
+        rec.dst_size = msg.dst_size
+        dst = rec.dsts[msg.dst_rank] = Dst(down, msg)
+        for slots, last in rec.chunks:
+            if rec.error is None:
+                self._write_chunk(rec, dst, slots, last)
+        self._check_send(rec)
+
+    def _on_offer(self, handle: Send) -> None:
+        rid = handle.request_id
+        early = self._early.pop(rid, None)
+        if early is not None or rid in self._finished:
+            handle._fail(
+                early
+                or RequestError(
+                    f"request {rid!r} already finished here", stage="request", request_id=rid
+                )
+            )
+            self._finish(rid)
+            return
+        rec = self._send_rec(rid)
+        rec.handle = handle
+        rec.deadline = time.monotonic() + self.request_timeout_s
+        if rec.dsts:
+            handle._move(State.WAITING)
+        self._check_send(rec)
+
+    def _on_write(self, handle: Send, slots: dict[str, np.ndarray], last: bool) -> None:
+        rec = self._sends.get(handle.request_id)
+        if rec is None or rec.handle is not handle or rec.error is not None:
+            return
+        rec.chunks.append((slots, last))
+        rec.last = last
+        if last and not rec.dsts:  # prefill finished first: hold under a lease
+            rec.lease_until = time.monotonic() + self.lease_s
+        for dst in rec.dsts.values():
+            self._write_chunk(rec, dst, slots, last)
+            if rec.error is not None:
+                return
+        self._check_send(rec)
+
+    def _write_chunk(
+        self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool
+    ) -> None:
+        request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for pool, src in slots.items():
+            have = dst.slots.get(pool)
+            at = dst.cursor.get(pool, 0)
+            if have is None or at + src.size > have.size:
+                room = 0 if have is None else have.size - at
+                self._fail_send(
+                    rec,
+                    "plan",
+                    f"a chunk names {src.size} slots of pool {pool!r} but "
+                    f"{dst.down.where()} has {room} destination slots left",
+                )
+                return
+            request[pool] = (src, have[at : at + src.size])
+            dst.cursor[pool] = at + src.size
+        if last:
+            short = [p for p, s in dst.slots.items() if dst.cursor[p] != s.size]
+            if short:
+                p = short[0]
+                self._fail_send(
+                    rec,
+                    "plan",
+                    f"the last chunk leaves {dst.slots[p].size - dst.cursor[p]} "
+                    f"destination slots of pool {p!r} of {dst.down.where()} unwritten",
+                )
+                return
+            dst.last = True
+        if not dst.needed:
+            return
+        assert dst.down.plan is not None and dst.down.peer is not None
+        try:
+            descs = dst.down.plan.expand(request)
+        except PlanError as exc:
+            self._fail_send(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
+            return
+        if len(descs) == 0 and not last:
+            return
+        tag = wire.Tag(rec.rid, dst.gen, self.manifest.tp_rank, dst.seq, dst.seq + 1 if last else 0)
+        dst.seq += 1
+        left = max(rec.deadline - time.monotonic(), 0.001)
+        try:
+            transfer = self.backend.write(
+                dst.down.peer, descs, wire.encode(tag) if self._notifying else None, timeout=left
+            )
+        except XferError as exc:
+            self._fail_send(rec, "transfer", f"writing to {dst.down.where()}: {exc}")
+            return
+        dst.transfers.append((transfer, tag))
+        if rec.handle is not None:
+            rec.handle._move(State.TRANSFERRING)
+
+    def _poll_transfers(self) -> None:
+        for rec in list(self._sends.values()):
+            for dst in rec.dsts.values():
+                for i, (t, tag) in enumerate(dst.transfers):
+                    if tag is None:
+                        continue
+                    st = t.poll()
+                    if st is Status.FAILED:
+                        self._fail_send(rec, "transfer", str(t.error))
+                        break
+                    if st is Status.DONE:
+                        if not self._notifying:
+                            written = wire.Written(
+                                rid=tag.rid,
+                                gen=tag.gen,
+                                src_rank=tag.src_rank,
+                                seq=tag.seq,
+                                total=tag.total,
+                            )
+                            self._to_down(dst.down.ident, written)
+                        dst.transfers[i] = (t, None)
+                if rec.error is not None:
+                    break
+            self._check_send(rec)
+
+    def _check_send(self, rec: SendRec) -> None:
+        if rec.error is not None or rec.handle is None or not rec.last or rec.dst_size is None:
+            return
+        if len(rec.dsts) < rec.dst_size:
+            return
+        for dst in rec.dsts.values():
+            if not dst.last or any(tag is not None for _, tag in dst.transfers):
+                return
+        self._done(rec.handle, self._sends)
+
+    def _fail_send(
+        self,
+        rec: SendRec,
+        stage: str,
+        detail: str,
+        *,
+        formatted: bool = False,
+        ack: Down | None = None,
+        gone: Down | None = None,
+    ) -> None:
+        """Abort ``rec``'s writes; once they left the driver, report the root cause to the
+        engine and every decode rank of the request (``ack`` gets an ``AbortAck`` instead,
+        ``gone`` nothing)."""
+        if rec.error is not None:
+            return
+        text = detail if formatted else stage_text(rec.rid, stage, self.where("prefill"), detail)
+        error = rec.error = RequestError(text, stage=stage, request_id=rec.rid)
+        del self._sends[rec.rid]
+        remember(self._failed, rec.rid, error)
+        transfers = [t for dst in rec.dsts.values() for t, _ in dst.transfers]
+        for t in transfers:
+            try:
+                t.abort(text, wait=False)
+            except XferError as exc:
+                log.error("%s: %s", self.address, exc)
+
+        def settle() -> None:
+            for dst in rec.dsts.values():
+                if dst.down is gone or self._downs.get(dst.down.ident) is not dst.down:
+                    continue
+                if dst.down is ack:
+                    self._to_down(dst.down.ident, wire.AbortAck(rid=rec.rid, gen=dst.gen))
+                else:
+                    msg = wire.Fail(rid=rec.rid, gen=dst.gen, stage=stage, text=text)
+                    self._to_down(dst.down.ident, msg)
+            if rec.handle is not None:
+                rec.handle._fail(error)
+                self._finish(rec.rid)
+            else:  # not offered yet: offer() will report it
+                remember(self._early, rec.rid, error)
+
+        answers = frozenset(d.down.ident for d in rec.dsts.values() if d.down is not gone)
+        drain = Drain(rec.rid, transfers, settle, answers)
+        if drain.settled(time.monotonic()):
+            settle()
+        else:
+            self._drains.append(drain)
+
+    def _poll_drains(self) -> None:
+        now = time.monotonic()
+        for drain in [d for d in self._drains if d.settled(now)]:
+            self._drains.remove(drain)
+            drain.then()
+
+    def _on_remote_fail(self, down: Down, msg: wire.Abort | wire.Fail) -> None:
+        rec = self._sends.get(msg.rid)
+        dst = None if rec is None else rec.dsts.get(down.hello.tp_rank)
+        if rec is None or (dst is not None and dst.gen != msg.gen):
+            if any(d.rid == msg.rid and down.ident in d.answers for d in self._drains):
+                return  # failing already: its Fail, once drained, answers this
+            known = msg.rid in self._finished or msg.rid in self._early or msg.rid in self._failed
+            if not known:
+                err = RequestError(
+                    msg.text, stage=msg.stage, request_id=msg.rid, peer=down.hello.address
+                )
+                remember(self._early, msg.rid, err)  # offer() after this reports it
+            else:
+                log.info(
+                    "%s: late %s for request %r: dropped", self.address, type(msg).__name__, msg.rid
+                )
+            if isinstance(msg, wire.Abort):
+                self._to_down(down.ident, wire.AbortAck(rid=msg.rid, gen=msg.gen))
+            return
+        if isinstance(msg, wire.Abort):
+            if dst is None:  # we never wrote for it: nothing in flight
+                self._to_down(down.ident, wire.AbortAck(rid=msg.rid, gen=msg.gen))
+            self._fail_send(rec, msg.stage, msg.text, formatted=True, ack=down)
+        else:
+            self._fail_send(rec, msg.stage, msg.text, formatted=True, gone=down)
