@@ -53,6 +53,7 @@ class _Envelope(msgspec.Struct, frozen=True):
     host: str
     pid: int
     address: str
+    generation: int  # the sender's registration generation when it made the endpoint
     blob: msgspec.Raw
 
 
@@ -70,12 +71,13 @@ class _Link:
 class Peer:
     """A connected remote backend and the memory it advertised."""
 
-    __slots__ = ("_link", "backend", "manifest", "name")
+    __slots__ = ("_link", "backend", "generation", "manifest", "name")
 
-    def __init__(self, backend: str, link: _Link, manifest: Manifest) -> None:
+    def __init__(self, backend: str, link: _Link, manifest: Manifest, generation: int) -> None:
         self.name = f"{backend}:{link.address}"
         self.backend = backend
         self.manifest = manifest
+        self.generation = generation  # the peer's registration generation in its endpoint
         self._link: _Link | None = link
 
     def __repr__(self) -> str:
@@ -100,6 +102,7 @@ class Backend(Closing):
         self.name: str = driver.name
         self.capabilities: Capabilities = caps
         self._manifest: Manifest | None = None
+        self._generation = 0
         self._links: dict[str, _Link] = {}
         self._peers: set[Peer] = set()
         self._inflight: set[Transfer] = set()
@@ -117,6 +120,15 @@ class Backend(Closing):
     def manifest(self) -> Manifest | None:
         """What is registered now."""
         return self._manifest
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every ``register`` and ``deregister``: endpoints made before are stale.
+
+        A peer learns it from the endpoint (``Peer.generation``); a control plane
+        (the Session) compares it with the current one before posting.
+        """
+        return self._generation
 
     @property
     def driver(self) -> Driver:
@@ -169,6 +181,7 @@ class Backend(Closing):
                     error.attach(exc)
             raise error
         self._manifest = manifest
+        self._generation += 1
 
     def _unregister_unknown(self, regions: list[Region], cause: Exception, how: str) -> NoReturn:
         """A batch registration raised or fell short: which regions it holds is unknown."""
@@ -196,6 +209,7 @@ class Backend(Closing):
             raise stuck
         first: XferError | None = None
         manifest, self._manifest = self._manifest, None
+        self._generation += 1
         for r in reversed(manifest.regions):
             try:
                 self._driver.deregister_region(r)
@@ -228,6 +242,7 @@ class Backend(Closing):
             socket.gethostname(),
             os.getpid(),
             address,
+            self._generation,
             msgspec.Raw(blob),
         )
         return msgspec.msgpack.encode(env)
@@ -240,7 +255,8 @@ class Backend(Closing):
                 f"{self.name}: connect() needs the peer's Manifest, not {manifest!r}"
             )
         env, blob = self._open_envelope(endpoint)
-        name, raw = f"{self.name}:{env.address}", bytes(env.blob)
+        name = f"{self.name}:{env.address}"
+        raw = b"%d:" % env.generation + bytes(env.blob)  # what identifies the link
         with self._lock:
             old = self._links.get(env.address)
             if old is not None and old.blob != raw:  # the peer re-registered or restarted
@@ -262,7 +278,7 @@ class Backend(Closing):
                     raise self._wrap(exc, f"connecting to peer {name}", subject=name) from exc
                 link = self._links[env.address] = _Link(env.address, raw, handle)
             link.users += 1
-            peer = Peer(self.name, link, manifest)
+            peer = Peer(self.name, link, manifest, env.generation)
             self._peers.add(peer)
         return peer
 

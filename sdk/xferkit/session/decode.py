@@ -128,6 +128,7 @@ class DecodeSide(Core):
                     dst_size=self.manifest.tp_size,
                     needed=u.address in rec.needed,
                     slots=lists,
+                    registration=self.backend.generation,
                 ),
             )
             rec.requested.add(u.address)

@@ -135,6 +135,26 @@ class PrefillSide(Core):
         elif down.error is not None:  # the handshake failed: both sides report its text
             fail(*down.error)
             return
+        elif down.peer is not None and msg.registration != down.peer.generation:
+            # Its memory changed since the endpoint we hold: writing through it could land in
+            # memory it no longer offers (UCX on one host cannot refuse). The Session owns its
+            # registration, so an engine re-registered underneath it: the request fails here,
+            # on both sides, before anything is posted.
+            detail = (
+                f"decode rank {down.hello.tp_rank} re-registered its memory since the handshake "
+                f"(registration {down.peer.generation}, now {msg.registration}): the endpoint "
+                "this rank holds is stale, so nothing is written through it"
+            )
+            text = stage_text(msg.rid, "handshake", where, detail)
+            live = self._sends.get(msg.rid)
+            if live is not None:
+                self._fail_send(live, "handshake", text, formatted=True)
+            else:
+                remember(
+                    self._early, msg.rid, RequestError(text, stage="handshake", request_id=msg.rid)
+                )
+            fail("handshake", text)
+            return
         elif msg.dst_rank != down.hello.tp_rank or msg.dst_size != down.hello.tp_size:
             problem = (
                 f"decode rank {down.hello.tp_rank} sent a request as rank "

@@ -84,6 +84,7 @@ class Request(_Msg, frozen=True, tag="request"):
     dst_size: Size
     needed: bool
     slots: Slots
+    registration: U64 = 0  # the decode backend's registration generation now (stale check)
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
