@@ -90,7 +90,13 @@ def test_a_late_request_after_abort_writes_nothing(
     pre, fake = prefill
     send = pre.offer("r")
     request = wire.Request(
-        rid="r", gen=1, dst_rank=0, dst_size=1, needed=True, slots={"kv": [1, 2]}
+        rid="r",
+        gen=1,
+        dst_rank=0,
+        dst_size=1,
+        needed=True,
+        slots={"kv": [1, 2]},
+        registration=fake.backend.generation,
     )
     fake.sock.send(wire.encode(request))
     fake.sock.send(wire.encode(wire.Abort(rid="r", gen=1, stage="abort", text="the test aborts")))
@@ -102,7 +108,13 @@ def test_a_late_request_after_abort_writes_nothing(
     # root cause, neither starts a write.
     for gen in (1, 2):
         late = wire.Request(
-            rid="r", gen=gen, dst_rank=0, dst_size=1, needed=True, slots={"kv": [3, 4]}
+            rid="r",
+            gen=gen,
+            dst_rank=0,
+            dst_size=1,
+            needed=True,
+            slots={"kv": [3, 4]},
+            registration=fake.backend.generation,
         )
         fake.sock.send(wire.encode(late))
         _, fail = _next(fake.sock, wire.Fail)
