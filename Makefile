@@ -39,6 +39,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_mooncake.py
 	$(BIN)/python benchmarks/bench_nixl.py
 	$(BIN)/python benchmarks/bench_registration.py
+	$(BIN)/python benchmarks/bench_session.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
