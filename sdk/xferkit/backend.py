@@ -440,6 +440,16 @@ class Backend(Closing):
             time.sleep(min(nap, max(deadline - time.monotonic(), 0)))
             nap = min(nap * 2, 5e-3)
 
+    def notification_fd(self) -> int | None:
+        """A descriptor readable when notifications may be waiting (None: the driver has none).
+
+        For event loops: select or poll on it, then call ``notifications()``.
+        """
+        self._check_open("notification_fd")
+        if not self.capabilities.notifications:
+            raise CapabilityError(f"{self.name} does not deliver notifications")
+        return self._driver.notification_fd()
+
     # -- teardown --------------------------------------------------------------
 
     def close(self) -> None:

@@ -186,6 +186,14 @@ class Driver(ABC):
         """Drain what arrived: (sender address, message) pairs. Never raises for bad input."""
         return ()
 
+    def notification_fd(self) -> int | None:
+        """A descriptor that turns readable when notifications may be waiting, or None.
+
+        Optional: an event loop (the Session) then sleeps on it instead of polling
+        ``notifications()``. ``notifications()`` makes it unreadable again.
+        """
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine; nothing is registered or connected any more."""
 

@@ -88,3 +88,26 @@ def test_a_driver_failing_to_receive_is_an_xfer_error() -> None:
         with pytest.raises(TransferError, match="receiving notifications failed") as info:
             pair.a.notifications()
         assert info.value.__cause__ is broken
+
+
+def test_the_loopback_offers_a_descriptor_that_turns_readable_on_arrival() -> None:
+    import select
+
+    import numpy as np
+
+    import xferkit as xk
+
+    src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
+    with xk.open_backend("loopback") as a, xk.open_backend("loopback") as b:
+        a.register(xk.Manifest.build([xk.Region.from_array(src, pool="p", name="s", layer=0)]))
+        b.register(xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="d", layer=0)]))
+        fd = b.notification_fd()
+        assert fd is not None
+        assert not select.select([fd], [], [], 0)[0]  # nothing yet
+        peer = a.connect(b.endpoint(), b.manifest)  # type: ignore[arg-type]
+        a.write(peer, xk.Descriptors.empty(), notify=b"hi").wait(10)
+        assert select.select([fd], [], [], 10)[0]  # woken, no polling
+        assert [n.message for n in b.notifications()] == [b"hi"]
+        assert not select.select([fd], [], [], 0)[0]  # drained: quiet again
+    with pytest.raises(xk.XferError, match="closed"):
+        b.notification_fd()

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import os
 import select
-import socket
 import threading
-import time
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -29,84 +26,21 @@ import msgspec
 import numpy as np
 
 from xferkit import Descriptors, Manifest, Region
-from xferkit.driver import AddressTable, BatchWorker, Capabilities, Driver, Posted, QueuedBatch
+from xferkit.driver import AddressTable, Capabilities, Driver, Posted
 
 from .copy import allow_writers, copy_local, explain, read_remote, start_time, write_remote
 from .faults import Faults
+from .link import Job, Link, LoopbackBlob
+from .notices import Mailbox
 
 _LIVE: weakref.WeakValueDictionary[str, LoopbackDriver] = weakref.WeakValueDictionary()
-
-MAX_QUEUED = 1 << 16
-"""Notifications a receiver holds undrained; past it senders wait, then fail saying so."""
-NOTIFY_WAIT_S = 10.0
-"""How long a sender waits for room in a full receiver before its write fails."""
-
-
-class _Blob(msgspec.Struct, frozen=True):
-    pid: int
-    id: str
-    started: int  # the process's start time (clock ticks since boot): pid + this is unique
-    generation_addr: int  # where the peer keeps its registration generation
-    generation: int  # the generation these regions belong to
-    regions: list[tuple[int, int]]  # registered [start, end) at the time of endpoint()
-
-
-class _Job(QueuedBatch):
-    __slots__ = ("fail", "link", "released", "stall")
-
-    def __init__(self, link: _Link, descs: Descriptors | None, notify: bytes | None) -> None:
-        super().__init__(descs, notify)
-        self.link = link
-        self.fail: str | None = None  # injected failure text
-        self.stall = False
-        self.released = threading.Event()
-
-    def release(self) -> None:
-        super().release()
-        self.released.set()  # also ends a stall
-
-
-class _Link:
-    """One connected peer: what its endpoint said, a pidfd naming its process, its worker."""
-
-    def __init__(self, driver: LoopbackDriver, blob: _Blob) -> None:
-        self.address = f"{blob.pid}:{blob.id}"
-        self.blob = blob
-        self.socket = _socket_name(blob.id)
-        table = np.array(blob.regions, dtype=np.uint64).reshape(-1, 2)
-        self.registered = AddressTable(table[:, 0], table[:, 1] - table[:, 0])
-        self.local = blob.pid == os.getpid()
-        self.pidfd = -1 if self.local else _open_process(blob.pid, blob.started)
-        self.worker: BatchWorker[_Job] = BatchWorker(
-            driver._execute, name=f"xferkit-loopback-{driver.id}-{blob.id}"
-        )
-
-    def close(self) -> None:
-        self.worker.stop()
-        self.worker.join(timeout=10)
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-
-
-def _socket_name(backend_id: str) -> bytes:
-    return b"\0xferkit-loopback-" + backend_id.encode()
-
-
-def _open_process(pid: int, started: int) -> int:
-    """A pidfd for ``pid``, checked to be the process that made the endpoint."""
-    fd = os.pidfd_open(pid)
-    if start_time(pid) != started:
-        os.close(fd)
-        raise ProcessLookupError(f"pid {pid} now names another process: the peer is gone")
-    return fd
 
 
 class LoopbackDriver(Driver):
     """Options: ``faults`` (a ``Faults`` to inject failures), ``max_batch`` (0: no limit)."""
 
     name: ClassVar[str] = "loopback"
-    Blob: ClassVar[type[msgspec.Struct]] = _Blob
+    Blob: ClassVar[type[msgspec.Struct]] = LoopbackBlob
 
     def __init__(self, *, faults: Faults | None = None, max_batch: int = 0) -> None:
         self.capabilities = Capabilities(
@@ -121,19 +55,8 @@ class LoopbackDriver(Driver):
         self._generation = np.zeros(1, dtype=np.uint64)
         self._counts = {"register": 0, "post": 0, "note": 0}
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(_socket_name(self.id))
-        self._sock.settimeout(0.05)  # the receiver wakes to notice close()
-        self._inbox: deque[tuple[str, bytes]] = deque()
-        self._links: set[_Link] = set()
-        self._closing = threading.Event()
-        self._receiver = threading.Thread(
-            target=_receive,
-            args=(weakref.ref(self), self._sock, self._inbox, self._closing),
-            name=f"xferkit-loopback-{self.id}-rx",
-            daemon=True,
-        )
-        self._receiver.start()
+        self._mail = Mailbox(self.id)
+        self._links: set[Link] = set()
         allow_writers()
         _LIVE[self.id] = self
 
@@ -186,12 +109,12 @@ class LoopbackDriver(Driver):
 
     # -- peers ---------------------------------------------------------------
 
-    def endpoint(self) -> _Blob:
+    def endpoint(self) -> LoopbackBlob:
         # Carries what is registered now, and its generation: a peer checks its writes
         # against both, like a NIC against remote keys.
         t, generation = self._registered()
         ends = (t.last + np.uint64(1)).tolist()
-        return _Blob(
+        return LoopbackBlob(
             os.getpid(),
             self.id,
             start_time(os.getpid()),
@@ -201,7 +124,7 @@ class LoopbackDriver(Driver):
         )
 
     def connect(self, blob: Any, manifest: Manifest) -> Any:
-        link = _Link(self, blob)
+        link = Link(blob, self._execute, name=f"xferkit-loopback-{self.id}-{blob.id}")
         self._links.add(link)
         return link
 
@@ -212,12 +135,12 @@ class LoopbackDriver(Driver):
     # -- posting ---------------------------------------------------------------
 
     def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
-        return self._queue(_Job(link, descs, notify))
+        return self._queue(Job(link, descs, notify))
 
     def notify(self, link: Any, message: bytes) -> Posted:
-        return self._queue(_Job(link, None, message))
+        return self._queue(Job(link, None, message))
 
-    def _queue(self, job: _Job) -> _Job:
+    def _queue(self, job: Job) -> Job:
         with self._lock:
             self._counts["post"] += 1
             n = self._counts["post"]
@@ -227,7 +150,7 @@ class LoopbackDriver(Driver):
         job.link.worker.post(job)
         return job
 
-    def _execute(self, job: _Job) -> str | None:
+    def _execute(self, job: Job) -> str | None:
         link, d = job.link, job.descs
         if job.stall:
             job.released.wait()
@@ -245,10 +168,10 @@ class LoopbackDriver(Driver):
                 self._counts["note"] += 1
                 lost = self._counts["note"] == self.faults.lose_notification_at
             if not lost:
-                return self._send(link, job.notify)
+                return self._mail.send(self.address, job.notify, link.address, link.socket)
         return None
 
-    def _copy(self, link: _Link, d: Descriptors) -> str | None:
+    def _copy(self, link: Link, d: Descriptors) -> str | None:
         table, _ = self._registered()
         local = table.first_outside(d.src, d.nbytes)
         if local >= 0:
@@ -268,7 +191,7 @@ class LoopbackDriver(Driver):
         err, index = write_remote(link.blob.pid, d.src, d.dst, d.nbytes)
         return f"descriptor {index}: {explain(err, link.blob.pid)}" if err else None
 
-    def _stale(self, link: _Link) -> str | None:
+    def _stale(self, link: Link) -> str | None:
         """Why the peer's memory is no longer what its endpoint offered, or None."""
         name = f"loopback:{link.address}"
         if link.local:
@@ -289,57 +212,15 @@ class LoopbackDriver(Driver):
             )
         return None
 
-    def _send(self, link: _Link, message: bytes) -> str | None:
-        """Send after the data; a full receiver makes us wait (bounded), never drop."""
-        data = msgspec.msgpack.encode((self.address, message))
-        deadline = time.monotonic() + NOTIFY_WAIT_S
-        while not self._closing.is_set():
-            try:
-                self._sock.sendto(data, link.socket)  # blocks up to the socket timeout
-                return None
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    return (
-                        f"data written, but peer loopback:{link.address} holds {MAX_QUEUED} "
-                        f"undrained notifications and took none for {NOTIFY_WAIT_S} s"
-                    )
-            except OSError as exc:
-                return f"data written, but the notification to {link.address} failed: {exc}"
-        return "data written, but the backend closed before the notification went out"
+    def notification_fd(self) -> int | None:
+        return self._mail.fd
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        out = []
-        while self._inbox:
-            out.append(self._inbox.popleft())
-        return out
+        return self._mail.drain()
 
     def close(self) -> None:
-        self._closing.set()
+        self._mail.closing.set()
         for link in list(self._links):  # the core disconnected them all, unless it was dropped
             link.close()
-        self._receiver.join(timeout=10)
-        self._sock.close()
+        self._mail.close()
         _LIVE.pop(self.id, None)
-
-
-def _receive(
-    owner: weakref.ref[LoopbackDriver],
-    sock: socket.socket,
-    inbox: deque[tuple[str, bytes]],
-    closing: threading.Event,
-) -> None:
-    """Move arriving notifications into the inbox; stop taking them while it is full."""
-    while not closing.is_set() and owner() is not None:
-        if len(inbox) >= MAX_QUEUED:
-            closing.wait(0.01)  # the kernel queue fills next; senders wait, then fail
-            continue
-        try:
-            data = sock.recv(1 << 20)
-        except (TimeoutError, BlockingIOError):
-            continue
-        except OSError:
-            return
-        try:
-            inbox.append(msgspec.msgpack.decode(data, type=tuple[str, bytes]))
-        except msgspec.DecodeError:
-            continue  # anyone on this machine can send here: never let it cost good ones

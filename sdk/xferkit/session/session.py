@@ -106,6 +106,9 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         self._notifying = backend.capabilities.notifications
 
         where = self._bind(bind, keys)
+        fd = backend.notification_fd() if self._notifying else None
+        if fd is not None:  # the driver can wake the loop: completions are seen at once
+            self._watch(fd, self._drain_notifications)
         self.address: str = where if keys is None else f"{where}|{keys.public.decode()}"
         """The string a peer passes to ``expect(source=...)``."""
 
