@@ -7,7 +7,6 @@ called is read back from the driver's ``calls``; nothing is monkeypatched.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,25 +14,17 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from xferkit import Backend, Descriptors, Manifest, Notification, Peer, Region
+from xferkit import Backend, Descriptors, Notification, Peer
+from xferkit.testing.conformance import drain_until
+from xferkit.testing.memory import descriptors, manifest_of, random_bytes
 from xferkit.testing.mock import Handler, MockDriver
 
 WAIT_S = 10.0
 
 
-def buffer(size: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-
-
-def manifest(arrays: list[np.ndarray], name: str) -> Manifest:
-    """One region per array, in pools p0, p1, ... (labels ``p{i}/{name}[0]``)."""
-    return Manifest.build(
-        [Region.from_array(a, pool=f"p{i}", name=name, layer=0) for i, a in enumerate(arrays)]
-    )
-
-
-def descs(src: list[int], dst: list[int], nbytes: list[int]) -> Descriptors:
-    return Descriptors(*(np.array(x, dtype=np.uint64) for x in (src, dst, nbytes)))
+buffer = random_bytes
+manifest = manifest_of
+descs = descriptors
 
 
 def mock(backend: Backend) -> MockDriver:
@@ -49,11 +40,7 @@ def posted(backend: Backend) -> list[Any]:
 
 
 def drain(backend: Backend, count: int, timeout: float = WAIT_S) -> list[Notification]:
-    notes: list[Notification] = []
-    deadline = time.monotonic() + timeout
-    while len(notes) < count and time.monotonic() < deadline:
-        notes += backend.notifications(timeout=0.01)
-    return notes
+    return drain_until(backend, count, timeout)
 
 
 def forged(endpoint: bytes, blob: dict[str, Any] | None = None, **envelope: Any) -> bytes:

@@ -19,6 +19,20 @@ from xferkit.testing import Reference, RegionSpec
 from xferkit.testing.mock import STALL, Call, MockDriver
 
 
+def stall(call: Call) -> str | None:
+    """Every post stays PENDING until released."""
+    return STALL if call.op == "post" else None
+
+
+class Stuck(MockDriver):
+    """A driver that ignores release(): its batches never end until the test says so."""
+
+    def post(self, link: Any, d: xk.Descriptors, notify: bytes | None) -> xk.driver.Posted:
+        posted_batch = super().post(link, d, notify)
+        posted_batch.release = lambda: None  # type: ignore[method-assign]
+        return posted_batch
+
+
 def test_a_negative_max_batch_is_refused_when_the_backend_opens() -> None:
     """Before: max_batch=-1 made every write an empty split that ended DONE, moving nothing."""
     with pytest.raises(xk.OptionError, match="max_batch"):
@@ -67,8 +81,6 @@ def test_a_notification_must_be_bytes(note: Any) -> None:
 
 
 def test_a_write_past_its_deadline_fails_and_is_aborted() -> None:
-    def stall(call: Call) -> str | None:
-        return STALL if call.op == "post" else None
 
     with mock_pair(stall) as p:
         d, _ = p.descs(2, 16)
@@ -114,9 +126,6 @@ def test_close_ends_split_writes_instead_of_stranding_them() -> None:
 def test_deregister_with_transfers_in_flight_ends_them_first() -> None:
     """One behaviour for every driver: deregister aborts and drains, then releases memory."""
 
-    def stall(call: Call) -> str | None:
-        return STALL if call.op == "post" else None
-
     with mock_pair(stall) as p:
         d, _ = p.descs(2, 16)
         t = p.a.write(p.peer, d)
@@ -131,9 +140,6 @@ def test_deregister_with_transfers_in_flight_ends_them_first() -> None:
 def test_after_close_the_error_says_closed_not_unregistered() -> None:
     """Before: a queued write reported "local address ... is not registered" after close()."""
 
-    def stall(call: Call) -> str | None:
-        return STALL if call.op == "post" else None
-
     with mock_pair(stall) as p:
         d, _ = p.descs(1, 16)
         t = p.a.write(p.peer, d)
@@ -144,15 +150,6 @@ def test_after_close_the_error_says_closed_not_unregistered() -> None:
 
 def test_a_driver_that_never_lets_go_makes_abort_raise_not_hang() -> None:
     """Nothing waits without a deadline: a batch the driver keeps running is reported."""
-
-    class Stuck(MockDriver):
-        def post(self, link: Any, d: xk.Descriptors, notify: bytes | None) -> xk.driver.Posted:
-            posted_batch = super().post(link, d, notify)
-            posted_batch.release = lambda: None  # type: ignore[method-assign]
-            return posted_batch
-
-    def stall(call: Call) -> str | None:
-        return STALL if call.op == "post" else None
 
     with Backend(Stuck(stall)) as a, Backend(MockDriver()) as b:
         src, dst = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
@@ -174,15 +171,6 @@ def test_deregister_keeps_memory_registered_while_a_driver_still_runs_a_batch(
     import xferkit.backend as core
 
     monkeypatch.setattr(core, "DRAIN_S", 0.05)
-
-    class Stuck(MockDriver):
-        def post(self, link: Any, d: xk.Descriptors, notify: bytes | None) -> xk.driver.Posted:
-            posted_batch = super().post(link, d, notify)
-            posted_batch.release = lambda: None  # type: ignore[method-assign]
-            return posted_batch
-
-    def stall(call: Call) -> str | None:
-        return STALL if call.op == "post" else None
 
     with Backend(MockDriver()) as b:
         a = Backend(Stuck(stall))

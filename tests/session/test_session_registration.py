@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from nixl_guard import require_nixl
 
 import xferkit as xk
 from xferkit.session import RequestError, Session, State
+from xferkit.testing.conformance import require_backend
 
-require_nixl()
+require_backend("nixl")
 
 
 def _session(buf: np.ndarray) -> Session:

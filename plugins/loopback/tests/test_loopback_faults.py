@@ -20,43 +20,20 @@ import pytest
 from xferkit import (
     Backend,
     Descriptors,
-    Manifest,
-    Notification,
     Peer,
     ProtocolError,
-    Region,
     RegistrationError,
     Status,
     TransferError,
     XferError,
     open_backend,
 )
+from xferkit.testing.conformance import drain_until
+from xferkit.testing.memory import descriptors, manifest_of, random_bytes
 from xferkit_loopback import Faults
 from xferkit_loopback.backend import LoopbackDriver
 
 WAIT_S = 10.0
-
-
-def _buffer(size: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-
-
-def _manifest(arrays: list[np.ndarray], name: str) -> Manifest:
-    return Manifest.build(
-        [Region.from_array(a, pool=f"p{i}", name=name, layer=0) for i, a in enumerate(arrays)]
-    )
-
-
-def _descs(src: list[int], dst: list[int], nbytes: list[int]) -> Descriptors:
-    return Descriptors(*(np.array(x, dtype=np.uint64) for x in (src, dst, nbytes)))
-
-
-def _drain(backend: Backend, count: int, timeout: float = WAIT_S) -> list[Notification]:
-    notes: list[Notification] = []
-    deadline = time.monotonic() + timeout
-    while len(notes) < count and time.monotonic() < deadline:
-        notes += backend.notifications(timeout=0.01)
-    return notes
 
 
 def _driver(backend: Backend) -> LoopbackDriver:
@@ -86,7 +63,7 @@ class Pair:
         for i in range(count):
             j = count - 1 - i
             want[j * size : (j + 1) * size] = self.src[i * size : (i + 1) * size]
-        return _descs(src, dst, [size] * count), want
+        return descriptors(src, dst, [size] * count), want
 
 
 @pytest.fixture
@@ -97,9 +74,9 @@ def loopback_pair() -> Iterator[Callable[..., Pair]]:
     def make(size: int = 1 << 16, **options: Any) -> Pair:
         a, b = open_backend("loopback", **options), open_backend("loopback")
         opened.extend((a, b))
-        src, dst = _buffer(size, 1), _buffer(size, 2)
-        a.register(_manifest([src], "src"))
-        b.register(_manifest([dst], "dst"))
+        src, dst = random_bytes(size, 1), random_bytes(size, 2)
+        a.register(manifest_of([src], "src"))
+        b.register(manifest_of([dst], "dst"))
         assert b.manifest is not None
         return Pair(a, b, src, dst, a.connect(b.endpoint(), b.manifest))
 
@@ -113,7 +90,7 @@ def loopback_pair() -> Iterator[Callable[..., Pair]]:
 
 @pytest.mark.parametrize("at", [1, 2, 4])
 def test_a_refused_registration_is_rolled_back_inside_the_driver(at: int) -> None:
-    m = _manifest([_buffer(4096, i) for i in range(4)], "r")
+    m = manifest_of([random_bytes(4096, i) for i in range(4)], "r")
     with open_backend("loopback") as b:
         _driver(b).faults.fail_register_at = at
         with pytest.raises(RegistrationError) as info:
@@ -205,7 +182,7 @@ def test_a_lost_notification_still_delivers_the_data(loopback_pair: Callable[...
     np.testing.assert_array_equal(pair.dst, want)
     pair.a.write(pair.peer, pair.descs(1, 16)[0], notify=b"second").wait(WAIT_S)
     # Notifications arrive in order; once the second is here, the first is known lost.
-    assert [n.message for n in _drain(pair.b, 1)] == [b"second"]
+    assert [n.message for n in drain_until(pair.b, 1, WAIT_S)] == [b"second"]
     assert pair.b.notifications() == []
 
 
@@ -221,9 +198,9 @@ def test_the_loopback_refuses_bad_descriptors_itself(loopback_pair: Callable[...
     s0, d0 = pair.src.ctypes.data, pair.dst.ctypes.data
     before = pair.dst.copy()
     cases = [
-        (_descs([s0 + 8], [d0 + 8], [2**64 - 4]), f"local address {s0 + 8:#x}"),  # wraps
-        (_descs([s0, 4096], [d0, d0], [8, 8]), "local address 0x1000"),
-        (_descs([s0], [d0 + pair.dst.size - 4], [8]), "is not registered by"),
+        (descriptors([s0 + 8], [d0 + 8], [2**64 - 4]), f"local address {s0 + 8:#x}"),  # wraps
+        (descriptors([s0, 4096], [d0, d0], [8, 8]), "local address 0x1000"),
+        (descriptors([s0], [d0 + pair.dst.size - 4], [8]), "is not registered by"),
     ]
     for descs, text in cases:
         job = driver.post(link, descs, None)
@@ -257,9 +234,9 @@ def test_a_garbage_loopback_blob_is_a_protocol_error(loopback_pair: Callable[...
 def test_a_reregistered_peer_makes_the_old_peer_stale(loopback_pair: Callable[..., Pair]) -> None:
     """Its endpoint (the registered ranges) changed under the same address: reconnect."""
     pair = loopback_pair()
-    moved = _buffer(1 << 16, 3)
+    moved = random_bytes(1 << 16, 3)
     pair.b.deregister()
-    pair.b.register(_manifest([moved], "dst"))
+    pair.b.register(manifest_of([moved], "dst"))
     assert pair.b.manifest is not None
     fresh = pair.a.connect(pair.b.endpoint(), pair.b.manifest)
     assert fresh.name == pair.peer.name
@@ -267,5 +244,5 @@ def test_a_reregistered_peer_makes_the_old_peer_stale(loopback_pair: Callable[..
     with pytest.raises(TransferError, match="stale"):
         pair.a.write(pair.peer, descs)
     s0, d0 = pair.src.ctypes.data, moved.ctypes.data
-    pair.a.write(fresh, _descs([s0], [d0], [64])).wait(WAIT_S)
+    pair.a.write(fresh, descriptors([s0], [d0], [64])).wait(WAIT_S)
     np.testing.assert_array_equal(moved[:64], pair.src[:64])

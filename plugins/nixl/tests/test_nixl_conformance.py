@@ -6,11 +6,10 @@ In this process and against a peer process.
 from __future__ import annotations
 
 import pytest
-from drivers import require_nixl
 
-from xferkit.testing.conformance import BackendConformance
+from xferkit.testing.conformance import BackendConformance, require_backend
 
-require_nixl()
+require_backend("nixl")
 
 
 class TestNixl(BackendConformance):

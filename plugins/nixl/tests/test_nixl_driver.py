@@ -22,21 +22,20 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from drivers import require_nixl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xferkit as xk
 import xferkit_nixl
 from xferkit.driver import Posted, Status
-from xferkit.testing.conformance import drain_until
+from xferkit.testing.conformance import drain_until, require_backend
 from xferkit.testing.peer import PeerProcess, Setup
 from xferkit.testing.reference import RegionSpec
 from xferkit_nixl.backend import NixlDriver
 from xferkit_nixl.memory import Kinds, memory_kind, split_by_kind
 from xferkit_nixl.ucx_env import apply_defaults, ucx_modules_default
 
-require_nixl()
+require_backend("nixl")
 
 PAGE = 4096
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import time
 
-from drivers import require_nixl
-
 import xferkit as xk
-from xferkit.testing.conformance import drain_until, peer_setup
+from xferkit.testing.conformance import drain_until, peer_setup, require_backend
 from xferkit.testing.peer import Check, Drain, PeerProcess, Setup, Write
 from xferkit.testing.reference import Reference, RegionSpec
 
-require_nixl()
+require_backend("nixl")
 
 SRC_TP, DST_TP = 4, 8
 SRC_SLOTS, DST_SLOTS = {"kv": 24, "state": 6}, {"kv": 32, "state": 6}

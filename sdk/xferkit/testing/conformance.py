@@ -38,8 +38,9 @@ from ..driver import Capabilities, Status
 from ..errors import CapabilityError, RegistrationError, TransferError, XferError
 from ..manifest import Manifest, Region
 from ..planner import coverage
-from ..plugins import open_backend
+from ..plugins import backends, open_backend
 from .checks import handoff
+from .memory import manifest_of, random_bytes
 from .models import gdn_hybrid
 from .peer import Check, Drain, PeerProcess, Reply, Setup, Write, reference
 from .reference import Reference, RegionSpec
@@ -55,14 +56,11 @@ REQUEST = {"kv": ([3, 4, 5, 9, 20], [0, 1, 2, 30, 7]), "state": ([2], [5])}
 
 
 def _buffers(sizes: list[int], seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    return [random_bytes(n, seed * 1000 + i) for i, n in enumerate(sizes)]
 
 
 def _manifest(buffers: list[np.ndarray], name: str) -> Manifest:
-    return Manifest.build(
-        [Region.from_array(b, pool=f"raw{i}", name=name, layer=0) for i, b in enumerate(buffers)]
-    )
+    return manifest_of(buffers, name, pool="raw")
 
 
 @st.composite
@@ -575,6 +573,15 @@ class BackendConformance:
             except TransferError as exc:
                 assert peer.name in str(exc)
             assert t.poll() in (Status.FAILED, Status.DONE)
+
+
+def require_backend(name: str) -> None:
+    """Skip the calling test module unless backend ``name`` is usable here, with the reason
+    ``xferkit.backends()`` gives (the probe's own words: what to install)."""
+    info = next((b for b in backends() if b.name == name), None)
+    if info is None or not info.available:
+        why = "no such backend is installed" if info is None else info.reason
+        pytest.skip(f"backend {name!r} is not usable here: {why}", allow_module_level=True)
 
 
 def peer_setup(
