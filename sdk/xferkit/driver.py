@@ -46,6 +46,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Whether a peer may live in another process (or host); else same-process peers only."""
     max_batch: int = 0
     """Most descriptors per ``post``; the core splits larger writes. 0 means no limit."""
+    descriptor_bytes: int = 4096
+    """What one wire descriptor costs, in bytes the driver could have moved in its place
+    (per-descriptor time x bandwidth): staged routes trade descriptors for local copies."""
 
     def __post_init__(self) -> None:
         from .errors import OptionError
@@ -55,6 +58,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
         if type(self.max_batch) is not int or self.max_batch < 0:
             raise OptionError(
                 f"capabilities: max_batch must be an int >= 0 (0: no limit), not {self.max_batch!r}"
+            )
+        if type(self.descriptor_bytes) is not int or self.descriptor_bytes < 0:
+            raise OptionError(
+                f"capabilities: descriptor_bytes must be an int >= 0, not {self.descriptor_bytes!r}"
             )
         for field in ("notifications", "cross_process"):
             if type(getattr(self, field)) is not bool:

@@ -26,6 +26,10 @@ from .sharding import AxisLayout, axis_layout
 RegionKey = tuple[str, str, int, int]
 """(pool, name, layer, part): how regions are named and paired across engines."""
 
+STAGING_POOL = "xferkit.staging"
+"""The pool of staging memory: registered and advertised like any region (so writes into it
+are bounds-checked), never paired by the planner."""
+
 _DEVICE = re.compile(r"^(?:cpu|cuda:(\d+))$")
 
 

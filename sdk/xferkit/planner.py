@@ -21,7 +21,7 @@ import numpy as np
 
 from .descriptors import Descriptors
 from .errors import PlanError
-from .manifest import Manifest, Region, RegionKey, key_label
+from .manifest import STAGING_POOL, Manifest, Region, RegionKey, key_label
 from .sharding import AxisLayout, Segment, axis_layout
 
 
@@ -77,7 +77,7 @@ class Plan:
         self.dst_slots = dict(dst.pools)
         # A request is one destination rank's: it may name any pool that rank has, even
         # one whose regions were all dropped or that this source's pipeline stage lacks.
-        self._known = set(dst.pools) | {k[0] for k in dst.dropped_keys}
+        self._known = (set(dst.pools) | {k[0] for k in dst.dropped_keys}) - {STAGING_POOL}
         self._groups = groups
         self._pieces = pieces
         self._origin = (src, dst)
@@ -113,7 +113,15 @@ class Plan:
         if not isinstance(request, Mapping):
             raise PlanError(f"a request maps pool -> (src_slots, dst_slots), not {request!r}")
         requests = {pool: self._slot_runs(pool, pair) for pool, pair in request.items()}
-        parts = [_expand_group(g, *requests[g.pool]) for g in self._groups if g.pool in requests]
+        return self._expand(requests, self._groups)
+
+    def _expand(
+        self,
+        requests: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        groups: list[_Group],
+    ) -> Descriptors:
+        """Descriptors of ``groups`` for validated slot runs (``staging`` expands a subset)."""
+        parts = [_expand_group(g, *requests[g.pool]) for g in groups if g.pool in requests]
         out = Descriptors.sealed(sum(count for count, _ in parts), *self._origin)
         at = 0
         with out.filling() as (s, d, n):
@@ -270,7 +278,7 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
     buckets: dict[tuple, list[tuple[Region, Region]]] = {}
     pieces_by_key: dict[RegionKey, Pieces] = {}
     for a in src.regions:
-        if a.key not in dst:
+        if a.key not in dst or a.pool == STAGING_POOL:
             continue
         b = dst.region(a.key)
         table = _region_pieces(
@@ -312,7 +320,7 @@ def _check_one_sided(have: Manifest, other: Manifest, side: str, other_side: str
     held = {(r.pool, r.layer) for r in other.regions}
     held |= {(k[0], k[2]) for k in other.dropped_keys}
     for r in have.regions:
-        if r.key in other:
+        if r.key in other or r.pool == STAGING_POOL:
             continue
         if r.key in other.dropped_keys:
             reason = next(d.reason for d in other.dropped if d.key == r.key)
@@ -517,6 +525,8 @@ def coverage(srcs: Sequence[Manifest], dst: Manifest) -> Coverage:
         raise PlanError("coverage(srcs, dst) takes a sequence of source Manifests and one Manifest")
     plans = {i: plan(m, dst) for i, m in enumerate(srcs)}
     for r in dst.regions:
+        if r.pool == STAGING_POOL:
+            continue
         size = r.slot_nbytes
         writers = [i for i, p in plans.items() if p.pieces(r.key).src.size]
         tables = [plans[i].pieces(r.key) for i in writers]

@@ -21,6 +21,8 @@ from xferkit.testing.mock import MockDriver
         ({"memory": frozenset({"cpu", "tpu"})}, "memory"),
         ({"notifications": 1}, "notifications"),
         ({"cross_process": "yes"}, "cross_process"),
+        ({"descriptor_bytes": -1}, "descriptor_bytes"),
+        ({"descriptor_bytes": 1e4}, "descriptor_bytes"),
     ],
 )
 def test_invalid_capabilities_are_option_errors(fields: dict[str, Any], text: str) -> None:

@@ -39,6 +39,11 @@ peer failing for the engine's lifetime. One batch in flight per peer keeps us un
 LANE_JOIN_S = 5.0
 
 
+DESCRIPTOR_BYTES = 62_000
+"""About 30 us per descriptor at 2 GB/s over TCP (benchmarks/bench_staging.py); RDMA is
+unmeasured here."""
+
+
 class _Blob(msgspec.Struct, frozen=True):
     """Decoded by the core with these constraints: a malformed one never reaches ``connect``."""
 
@@ -94,6 +99,7 @@ class MooncakeDriver(Driver):
             notifications=notifications,
             cross_process=True,
             max_batch=max_batch,
+            descriptor_bytes=DESCRIPTOR_BYTES,
         )
         self.protocol = _engine.pick_protocol(protocol, rdma_devices())
         self.stall_timeout = stall

@@ -17,6 +17,7 @@ from .checks import (
     for_rank,
     handoff,
     requested_bytes,
+    staged_handoff,
 )
 from .models import gdn_hybrid
 from .reference import (
@@ -75,6 +76,7 @@ __all__ = [
     "shard",
     "slot_pairs",
     "slot_requests",
+    "staged_handoff",
     "tp_pairs",
     "wire_bytes",
 ]

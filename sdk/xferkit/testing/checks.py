@@ -18,6 +18,7 @@ import numpy as np
 from ..descriptors import Descriptors
 from ..manifest import Manifest
 from ..planner import coverage
+from ..staging import Force, stage
 from .reference import Reference, WriteCounter, execute
 
 Request = Mapping[str, tuple[object, object]]
@@ -155,3 +156,65 @@ def handoff(ref: Reference, request: Request, write: Writer = _copy) -> dict[int
         for key, array in rank.arrays.items():
             assert np.array_equal(array, snap[key]), f"source region {key} changed"
     return counts
+
+
+def staged_handoff(
+    ref: Reference,
+    request: Request,
+    *,
+    force: Force = "staged",
+    descriptor_bytes: int = 4096,
+    capacity: int = 1 << 20,
+    copy: Callable[[Descriptors], object] = execute,
+) -> dict[int, dict[int, int]]:
+    """``handoff`` through staging: direct copies, then per round pack, wire, unpack.
+
+    Staging on each side is a fresh buffer of ``capacity`` bytes refilled with
+    noise before every round, so a round that reads what an earlier one left
+    fails. ``copy`` runs the local pack and unpack copies (the reference
+    executor by default; pass a copier to test it). Asserts each destination
+    equals the reference and is untouched outside the request, no byte is
+    written twice, no round overflows staging, and no source byte changes.
+    Returns ``{dst_index: {src_index: wire descriptor count}}``.
+    """
+    srcs = [r.manifest for r in ref.srcs]
+    before = [r.snapshot() for r in ref.srcs]
+    counter = WriteCounter(ref.dsts)
+    rng = np.random.default_rng(0)
+    src_stage = np.zeros(max(capacity, 1), dtype=np.uint8)
+    dst_stage = np.zeros(max(capacity, 1), dtype=np.uint8)
+    counts: dict[int, dict[int, int]] = {}
+    for di, rank in enumerate(ref.dsts):
+        wanted = for_rank(rank.manifest, request)
+        cov = coverage(srcs, rank.manifest)
+        counts[di] = {}
+        for si in cov.sources:
+            staged = stage(cov.plans[si], descriptor_bytes=descriptor_bytes, force=force)
+            out = staged.expand(wanted, src_capacity=capacity, dst_capacity=capacity)
+            check_descriptors(out.direct, srcs[si], rank.manifest)
+            counter.record(out.direct)
+            execute(out.direct)
+            wires = len(out.direct)
+            for r in out.rounds:
+                assert r.src_bytes <= capacity and r.dst_bytes <= capacity, r
+                src_stage[:] = rng.integers(0, 256, src_stage.size, dtype=np.uint8)
+                dst_stage[:] = rng.integers(0, 256, dst_stage.size, dtype=np.uint8)
+                copies = r.expand(src_stage.ctypes.data, dst_stage.ctypes.data)
+                copy(copies.pack)
+                execute(copies.wire)
+                copy(copies.unpack)
+                landed = rank.manifest.locate(copies.wire.dst, copies.wire.nbytes) >= 0
+                counter.record(_select(copies.wire, landed))
+                counter.record(copies.unpack)
+                wires += len(copies.wire)
+            counts[di][si] = wires
+        ref.check(di, wanted)
+    assert counter.max <= 1, f"a destination byte was written {counter.max} times"
+    for rank, snap in zip(ref.srcs, before, strict=True):
+        for key, array in rank.arrays.items():
+            assert np.array_equal(array, snap[key]), f"source region {key} changed"
+    return counts
+
+
+def _select(d: Descriptors, keep: np.ndarray) -> Descriptors:
+    return Descriptors(d.src[keep], d.dst[keep], d.nbytes[keep])

@@ -1,0 +1,344 @@
+"""Staged routes: pack strided pieces into contiguous staging memory, send few large copies, unpack.
+
+A heterogeneous-TP plan over an NHD layout owes one piece per token row
+(4 -> 8: a head out of each row of the source page), and every wire
+descriptor costs a driver microseconds while a local strided copy runs at
+memory bandwidth. So, per region group of a ``Plan``, ``stage`` picks a route
+from a cost model:
+
+- ``direct``: the plan's pieces go on the wire as they are;
+- ``pack``: the source gathers its strided pieces, in destination order, into
+  staging; one wire copy per slot lands on the destination's contiguous range;
+- ``unpack``: the source's contiguous range lands in the destination's staging,
+  which the destination scatters into its strided pieces;
+- ``both``: gather, one wire copy per round for the whole staging block, scatter.
+
+A unit is one slot pair of one region: ``unit`` bytes of staging on each side
+that stages. Units are laid out region-major, in destination slot order, and
+cut into rounds that fit the staging capacities; both sides compute the same
+rounds from the same plan, request and capacities, so only the staging base
+addresses need to travel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, NamedTuple, get_args
+
+import numpy as np
+
+from .descriptors import Descriptors
+from .errors import PlanError
+from .manifest import RegionKey
+from .planner import Pieces, Plan, _Group
+
+Path = Literal["direct", "pack", "unpack", "both"]
+PATHS: tuple[Path, ...] = get_args(Path)
+Force = Path | Literal["staged"] | None
+
+COPY_COST = 1.0
+"""Wire-byte equivalents one locally copied byte costs: a local copy runs at memory bandwidth,
+which no wire beats, so counting it as a wire byte is the conservative side."""
+
+
+class Route(NamedTuple):
+    """How a region group moves, and why the cost model chose it."""
+
+    path: Path
+    why: str
+
+
+class _Staged(NamedTuple):
+    """One group's route and the piece tables its copies need."""
+
+    group: _Group
+    path: Path
+    unit: int  # bytes per (region, slot pair)
+    pieces: Pieces  # sorted by destination (pack, both) or by source (unpack)
+    at: np.ndarray  # (P,) uint64 offset of each piece within a unit's staging block
+
+    @property
+    def src_side(self) -> bool:
+        return self.path in ("pack", "both")
+
+    @property
+    def dst_side(self) -> bool:
+        return self.path in ("unpack", "both")
+
+
+def _contiguous(start: np.ndarray, nbytes: np.ndarray) -> bool:
+    return bool(np.all(start[:-1] + nbytes[:-1] == start[1:]))
+
+
+def _choose(g: _Group, descriptor_bytes: int, force: Force) -> tuple[Route, Pieces]:
+    p = g.pieces
+    count, unit = p.src.size, int(p.nbytes.sum())
+    by_src = np.argsort(p.src, kind="stable")
+    src_order = Pieces(p.src[by_src], p.dst[by_src], p.nbytes[by_src])
+    dst_contig = _contiguous(p.dst, p.nbytes)
+    src_contig = _contiguous(src_order.src, src_order.nbytes)
+    copy = COPY_COST * unit
+    costs: dict[Path, float] = {"direct": count * descriptor_bytes, "both": 2 * copy}
+    if dst_contig:
+        costs["pack"] = descriptor_bytes + copy
+    if src_contig:
+        costs["unpack"] = descriptor_bytes + copy
+    if count == 1 and force is None:
+        return Route("direct", f"one piece of {unit} bytes per slot: nothing to gather"), p
+    if force in PATHS:
+        path: Path = force if force in costs else "both"  # type: ignore[assignment]
+        why = f"forced {force}" + ("" if force == path else f" (not possible: {path})")
+    else:
+        allowed = [q for q in PATHS if q in costs and (force != "staged" or q != "direct")]
+        path = min(allowed, key=lambda q: costs[q])  # ties keep the earlier, simpler path
+        shape = (
+            f"{count} piece{'s' * (count != 1)} of {unit} bytes per slot "
+            f"(source {'contiguous' if src_contig else 'strided'}, "
+            f"destination {'contiguous' if dst_contig else 'strided'}); cost per slot "
+            + ", ".join(f"{q} {costs[q]:.0f}" for q in PATHS if q in costs)
+            + f" byte-equivalents at {descriptor_bytes} per wire descriptor"
+        )
+        why = ("forced staged: " if force == "staged" else "") + shape
+    return Route(path, why), src_order if path == "unpack" else p
+
+
+def _offsets(nbytes: np.ndarray) -> np.ndarray:
+    at = np.zeros(nbytes.size, dtype=np.uint64)
+    np.cumsum(nbytes[:-1], out=at[1:])
+    return at
+
+
+class StagedPlan:
+    """A ``Plan`` with a route per region group; ``expand`` cuts a request into rounds.
+
+    Build it with ``stage(plan, descriptor_bytes=backend.capabilities.descriptor_bytes)``
+    on both sides of a pair: the routes and rounds are a pure function of the
+    plan, the driver's cost and the request.
+    """
+
+    def __init__(self, plan: Plan, groups: list[_Staged], routes: dict[RegionKey, Route]) -> None:
+        self.plan = plan
+        self.routes: Mapping[RegionKey, Route] = routes
+        self._direct = [s.group for s in groups if s.path == "direct"]
+        # "both" groups first on each side, so their wire copies join into one per round.
+        order = {"both": 0, "pack": 1, "unpack": 1}
+        self._staged = sorted(
+            (s for s in groups if s.path != "direct"), key=lambda s: order[s.path]
+        )
+
+    @property
+    def staged(self) -> bool:
+        """True when some group goes through staging."""
+        return bool(self._staged)
+
+    def expand(
+        self,
+        request: Mapping[str, tuple[object, object]],
+        *,
+        src_capacity: int,
+        dst_capacity: int,
+    ) -> StagedRequest:
+        """The direct descriptors and the staged rounds of ``request`` (as ``Plan.expand``'s).
+
+        Each round needs at most ``src_capacity`` bytes of source staging and
+        ``dst_capacity`` of destination staging; a unit larger than either is a
+        ``PlanError`` naming its region.
+        """
+        if not isinstance(request, Mapping):
+            raise PlanError(f"a request maps pool -> (src_slots, dst_slots), not {request!r}")
+        for name, cap in (("src_capacity", src_capacity), ("dst_capacity", dst_capacity)):
+            if type(cap) is not int or cap < 0:
+                raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
+        slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
+        direct = self.plan._expand(slots, self._direct)
+        parts = [(s, slots[s.group.pool]) for s in self._staged if s.group.pool in slots]
+        parts = [(s, sl) for s, sl in parts if sl[0].size]
+        for s, _ in parts:
+            for side, cap, used in (
+                ("source", src_capacity, s.src_side),
+                ("destination", dst_capacity, s.dst_side),
+            ):
+                if used and s.unit > cap:
+                    raise PlanError(
+                        f"{side} staging of {cap} bytes cannot hold one slot of region group "
+                        f"{s.group.keys[0]} ({s.unit} bytes, route {s.path})",
+                        subject=s.group.keys[0],
+                    )
+        return StagedRequest(direct, _rounds(parts, src_capacity, dst_capacity))
+
+
+Slots = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+class _Part(NamedTuple):
+    """Units [u0, u1) of one group in one round, and where their staging blocks start."""
+
+    staged: _Staged
+    slots: Slots
+    u0: int
+    u1: int
+    src_at: int
+    dst_at: int
+
+
+class Round:
+    """One pass through staging: what to pack, send and unpack, given the staging bases."""
+
+    def __init__(self, parts: list[_Part], src_bytes: int, dst_bytes: int) -> None:
+        self._parts = parts
+        self.src_bytes = src_bytes
+        self.dst_bytes = dst_bytes
+
+    def __repr__(self) -> str:
+        units = sum(p.u1 - p.u0 for p in self._parts)
+        return f"Round({units} units, staging {self.src_bytes} + {self.dst_bytes} bytes)"
+
+    def expand(self, src_stage: int, dst_stage: int) -> Staged:
+        """Absolute copies with the source's staging at ``src_stage``, the destination's at
+        ``dst_stage`` (each ``src_bytes`` / ``dst_bytes`` long)."""
+        pack, wire, unpack = [], [], []
+        for part in self._parts:
+            p, w, u = _expand_part(part, np.uint64(src_stage), np.uint64(dst_stage))
+            pack.append(p)
+            wire.append(w)
+            unpack.append(u)
+        return Staged(
+            Descriptors.concat([d for d in pack if len(d)]),
+            _join(Descriptors.concat(wire)),
+            Descriptors.concat([d for d in unpack if len(d)]),
+        )
+
+
+class Staged(NamedTuple):
+    """A round's copies: local on the source, on the wire, local on the destination."""
+
+    pack: Descriptors
+    wire: Descriptors
+    unpack: Descriptors
+
+
+class StagedRequest(NamedTuple):
+    direct: Descriptors
+    rounds: list[Round]
+
+    @property
+    def src_bytes(self) -> int:
+        """Most source staging any round uses."""
+        return max((r.src_bytes for r in self.rounds), default=0)
+
+    @property
+    def dst_bytes(self) -> int:
+        return max((r.dst_bytes for r in self.rounds), default=0)
+
+
+def _rounds(parts: list[tuple[_Staged, Slots]], src_cap: int, dst_cap: int) -> list[Round]:
+    """Cut the units, in order, into rounds greedily: one loop step per round, not per unit."""
+    if not parts:
+        return []
+    # Per unit: staging bytes on each side; units of group j are counts[j] in a row.
+    counts = np.array([s.group.src_base.size * sl[0].size for s, sl in parts], dtype=np.int64)
+    src_unit = np.array([s.unit * s.src_side for s, _ in parts], dtype=np.int64)
+    dst_unit = np.array([s.unit * s.dst_side for s, _ in parts], dtype=np.int64)
+    ends = np.cumsum(counts)
+    src_cum = np.concatenate(([0], np.cumsum(np.repeat(src_unit, counts))))
+    dst_cum = np.concatenate(([0], np.cumsum(np.repeat(dst_unit, counts))))
+    total = int(ends[-1])
+    rounds, u = [], 0
+    while u < total:
+        # The last unit index v with both sides' bytes [u, v) within capacity.
+        v = min(
+            int(np.searchsorted(src_cum, src_cum[u] + src_cap, side="right")) - 1,
+            int(np.searchsorted(dst_cum, dst_cum[u] + dst_cap, side="right")) - 1,
+            total,
+        )
+        assert v > u  # every unit fits: checked by the caller
+        out, s_at, d_at = [], 0, 0
+        for j in range(int(np.searchsorted(ends, u, side="right")), len(parts)):
+            start = int(ends[j] - counts[j])
+            lo, hi = max(u, start) - start, min(v, int(ends[j])) - start
+            if lo >= hi:
+                break
+            s, sl = parts[j]
+            out.append(_Part(s, sl, lo, hi, s_at, d_at))
+            s_at += (hi - lo) * int(src_unit[j])
+            d_at += (hi - lo) * int(dst_unit[j])
+        rounds.append(Round(out, s_at, d_at))
+        u = v
+    return rounds
+
+
+def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> Staged:
+    s, g = part.staged, part.staged.group
+    src, dst, _ = part.slots
+    n = np.uint64(src.size)
+    units = np.arange(part.u0, part.u1, dtype=np.uint64)
+    region, slot = units // n, units % n
+    src_slot = g.src_base[region] + src[slot] * np.uint64(g.src_stride)
+    dst_slot = g.dst_base[region] + dst[slot] * np.uint64(g.dst_stride)
+    block = (units - np.uint64(part.u0)) * np.uint64(s.unit)
+    src_block = src_stage + np.uint64(part.src_at) + block
+    dst_block = dst_stage + np.uint64(part.dst_at) + block
+    unit = np.full(units.size, s.unit, dtype=np.uint64)
+    none = Descriptors.empty()
+    p = s.pieces
+
+    def scatter(base: np.ndarray, offsets: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per unit and piece: (slot address + piece offset, staging + piece's staging offset)."""
+        return (
+            (base[:, None] + offsets[None, :]).ravel(),
+            (stage[:, None] + s.at[None, :]).ravel(),
+            np.tile(p.nbytes, units.size),
+        )
+
+    if s.path == "pack":
+        a, b, ln = scatter(src_slot, p.src, src_block)
+        return Staged(
+            Descriptors(a, b, ln), Descriptors(src_block, dst_slot + p.dst[0], unit), none
+        )
+    if s.path == "unpack":
+        a, b, ln = scatter(dst_slot, p.dst, dst_block)
+        return Staged(
+            none, Descriptors(src_slot + p.src[0], dst_block, unit), Descriptors(b, a, ln)
+        )
+    a, b, ln = scatter(src_slot, p.src, src_block)
+    c, d, _ = scatter(dst_slot, p.dst, dst_block)
+    return Staged(
+        Descriptors(a, b, ln), Descriptors(src_block, dst_block, unit), Descriptors(d, c, ln)
+    )
+
+
+def _join(d: Descriptors) -> Descriptors:
+    """Merge neighbours contiguous on both sides (consecutive staging blocks, runs of slots)."""
+    if len(d) < 2:
+        return d
+    start = np.ones(len(d), dtype=bool)
+    end = d.src[:-1] + d.nbytes[:-1]
+    start[1:] = (end != d.src[1:]) | (d.dst[:-1] + d.nbytes[:-1] != d.dst[1:])
+    idx = np.flatnonzero(start)
+    if idx.size == len(d):
+        return d
+    return Descriptors(d.src[idx], d.dst[idx], np.add.reduceat(d.nbytes, idx).astype(np.uint64))
+
+
+def stage(plan: Plan, *, descriptor_bytes: int, force: Force = None) -> StagedPlan:
+    """Choose each region group's route: the cheapest in wire-byte equivalents.
+
+    ``descriptor_bytes`` is what one wire descriptor costs the driver, in bytes
+    it could have moved instead (``Capabilities.descriptor_bytes``). ``force``
+    pins a path for every group (``"staged"``: the cheapest one that is not
+    direct; a path a group's pieces cannot take falls back to ``"both"``).
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"stage(plan, ...) takes a Plan, not {plan!r}")
+    if type(descriptor_bytes) is not int or descriptor_bytes < 0:
+        raise PlanError(f"descriptor_bytes must be an int >= 0, not {descriptor_bytes!r}")
+    if force is not None and force not in (*PATHS, "staged"):
+        raise PlanError(f"force must be None, 'staged' or one of {PATHS}, not {force!r}")
+    groups, routes = [], {}
+    for g in plan._groups:
+        route, pieces = _choose(g, descriptor_bytes, force)
+        groups.append(
+            _Staged(g, route.path, int(pieces.nbytes.sum()), pieces, _offsets(pieces.nbytes))
+        )
+        routes.update(dict.fromkeys(g.keys, route))
+    return StagedPlan(plan, groups, routes)

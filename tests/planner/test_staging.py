@@ -1,0 +1,154 @@
+"""Staged routes (pack / unpack / both) checked byte for byte against the reference model.
+
+Every layout and TP pair the planner's property tests draw, with staging
+forced on or chosen by the cost model, through rounds cut at random staging
+capacities: each destination equals the reference, no byte lands twice, no
+round overflows its staging, and the cost model keeps equal TP and HND direct.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xferkit import PlanError, coverage, plan
+from xferkit.staging import PATHS, stage
+from xferkit.testing import Reference, RegionSpec, layouts, slot_requests, staged_handoff
+from xferkit.testing.strategies import INTERESTING_TP
+
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FORCES = st.sampled_from([None, "staged", *PATHS])
+
+
+def _largest_slot(ref: Reference) -> int:
+    return max((r.slot_nbytes for rank in ref.dsts + ref.srcs for r in rank.manifest), default=1)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_staged_handoff_matches_reference(data: st.DataObject) -> None:
+    layout = data.draw(layouts())
+    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
+    capacity = _largest_slot(ref) * data.draw(st.integers(1, 4)) + data.draw(st.integers(0, 64))
+    staged_handoff(
+        ref,
+        request,
+        force=data.draw(FORCES),
+        descriptor_bytes=data.draw(st.integers(0, 1 << 16)),
+        capacity=capacity,
+    )
+
+
+@settings(SETTINGS, max_examples=50)
+@given(data=st.data())
+def test_unequal_tp_every_region_sharded(data: st.DataObject) -> None:
+    pairs = st.sampled_from([p for p in INTERESTING_TP if p[0] != p[1]])
+    layout = data.draw(layouts(max_pp=1, tp=pairs, empty=False, sharded=True))
+    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
+    staged_handoff(ref, request, force=data.draw(FORCES), capacity=_largest_slot(ref))
+
+
+# -- the shapes engines use: NHD and HND pages of a GQA layer set ------------------------
+
+HEADS, DIM, PAGE, PAGES = 8, 32, 16, 12
+
+
+def _kv(layout: str) -> list[RegionSpec]:
+    shape, axis = ((PAGE, HEADS, DIM), 1) if layout == "NHD" else ((HEADS, PAGE, DIM), 0)
+    return [
+        RegionSpec(pool="kv", name=n, layer=layer, shape=shape, itemsize=2, tp_axis=axis)
+        for layer in range(3)
+        for n in "kv"
+    ]
+
+
+def _ref(layout: str, src_tp: int, dst_tp: int) -> Reference:
+    slots = {"kv": PAGES}
+    return Reference(_kv(layout), src_tp=src_tp, dst_tp=dst_tp, src_slots=slots, dst_slots=slots)
+
+
+REQUEST = {"kv": (np.array([5, 1, 2, 3, 9, 0]), np.array([0, 7, 8, 9, 4, 11]))}
+
+
+@pytest.mark.parametrize(
+    ("src_tp", "dst_tp", "paths"),
+    [(4, 8, {"pack"}), (8, 4, {"unpack"}), (3, 2, {"unpack", "both"})],
+)
+def test_nhd_heterogeneous_tp_stages_and_sends_no_more_descriptors_than_equal_tp(
+    src_tp: int, dst_tp: int, paths: set[str]
+) -> None:
+    # A NIC-like cost: a wire descriptor costs more than a row, less than a page.
+    ref = _ref("NHD", src_tp, dst_tp)
+    srcs = [r.manifest for r in ref.srcs]
+    routes = [
+        route
+        for d in ref.dsts
+        for p in coverage(srcs, d.manifest).plans.values()
+        for route in stage(p, descriptor_bytes=PAGE * DIM).routes.values()
+    ]
+    assert {r.path for r in routes} == paths
+    assert all("per wire descriptor" in r.why for r in routes)
+    staged = staged_handoff(ref, REQUEST, force=None, descriptor_bytes=PAGE * DIM)
+    tp = max(src_tp, dst_tp)  # equal TP at the larger size: as many ranks, as many pages
+    equal = staged_handoff(_ref("NHD", tp, tp), REQUEST, force="direct")
+    total = sum(n for per_dst in staged.values() for n in per_dst.values())
+    assert total <= sum(n for per_dst in equal.values() for n in per_dst.values())
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 2), (8, 8), (4, 8), (8, 4)])
+def test_equal_tp_and_hnd_keep_the_direct_path(src_tp: int, dst_tp: int) -> None:
+    for layout in ("HND", "NHD") if src_tp == dst_tp else ("HND",):
+        ref = _ref(layout, src_tp, dst_tp)
+        p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=1 << 20)
+        assert {r.path for r in p.routes.values()} == {"direct"}
+        assert not p.staged
+
+
+def test_a_request_four_times_the_staging_runs_in_rounds_within_it() -> None:
+    ref = _ref("NHD", 4, 8)
+    p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=4096)
+    unit = PAGE * DIM * 2  # one head of a page
+    everything = {"kv": (np.arange(PAGES), np.arange(PAGES))}
+    need = 6 * PAGES * unit  # six regions
+    out = p.expand(everything, src_capacity=need // 4, dst_capacity=need // 4)
+    assert len(out.rounds) == 4
+    assert max(out.src_bytes, out.dst_bytes) <= need // 4
+    staged_handoff(ref, everything, force=None, capacity=need // 4)
+
+
+def test_staging_smaller_than_one_slot_names_the_region() -> None:
+    ref = _ref("NHD", 4, 8)
+    p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=4096, force="both")
+    with pytest.raises(PlanError, match=r"cannot hold one slot of region group \('kv', 'k', 0"):
+        p.expand(REQUEST, src_capacity=100, dst_capacity=1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"descriptor_bytes": -1}, "descriptor_bytes"),
+        ({"descriptor_bytes": 1.5}, "descriptor_bytes"),
+        ({"descriptor_bytes": 1, "force": "sideways"}, "force"),
+    ],
+)
+def test_stage_refuses_bad_arguments(kwargs: dict, match: str) -> None:
+    ref = _ref("NHD", 4, 8)
+    with pytest.raises(PlanError, match=match):
+        stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), **kwargs)
+    with pytest.raises(PlanError, match="takes a Plan"):
+        stage("plan", descriptor_bytes=1)  # type: ignore[arg-type]
+
+
+def test_expand_refuses_bad_capacities_and_requests() -> None:
+    ref = _ref("NHD", 4, 8)
+    p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=4096)
+    with pytest.raises(PlanError, match="src_capacity"):
+        p.expand(REQUEST, src_capacity=-1, dst_capacity=1)
+    with pytest.raises(PlanError, match="maps pool"):
+        p.expand(None, src_capacity=1, dst_capacity=1)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="unknown pool"):
+        p.expand({"nope": ([0], [0])}, src_capacity=1 << 20, dst_capacity=1 << 20)
