@@ -119,6 +119,13 @@ class Reply(msgspec.Struct):
 
 SLOTS = {"kv": 32, "state": 8}
 
+BACKENDS: dict[str, dict[str, Any]] = {
+    "loopback": {},
+    "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
+    "nixl": {},
+}
+"""Every driver a rank can run on this machine, with the options it opens with (``Setup``)."""
+
 
 def reference(
     src_tp: int, dst_tp: int, seed: int, layers: int = 4, slots: dict[str, int] | None = None

@@ -1,8 +1,9 @@
 """Group bootstrap, leases and reconnect backoff.
 
 A prefill instance reached through one group address (every rank its own
-process), a hold that expires unclaimed or is renewed, and a restarted
-prefill rank found again through the group after the pair backed off.
+process, on the loopback, Mooncake over TCP and NIXL), a hold that expires
+unclaimed or is renewed, and a restarted prefill rank found again through the
+group after the pair backed off.
 """
 
 from __future__ import annotations
@@ -10,7 +11,18 @@ from __future__ import annotations
 import time
 
 import pytest
-from session_rank import Check, Expect, Offer, RankProcess, Renew, Setup, Wait, Write, start
+from session_rank import (
+    BACKENDS,
+    Check,
+    Expect,
+    Offer,
+    RankProcess,
+    Renew,
+    Setup,
+    Wait,
+    Write,
+    start,
+)
 
 from xferkit import Backend
 from xferkit.session import RequestError, Session, State
@@ -23,22 +35,24 @@ SLOTS = {"kv": 8, "state": 4}
 
 
 def _group(
-    src_tp: int, dst_tp: int, session: dict[str, float]
+    src_tp: int, dst_tp: int, session: dict[str, float], backend: str = "loopback"
 ) -> tuple[list[RankProcess], list[RankProcess]]:
     """Prefill rank 0 first (it serves the roster), then the other prefill ranks joining it."""
-    (first,) = start([Setup("src", 0, src_tp, dst_tp, session=session)])
+    opts = BACKENDS[backend]
+    (first,) = start([Setup("src", 0, src_tp, dst_tp, backend, opts, session=session)])
     rest = start(
         [
-            Setup("src", i, src_tp, dst_tp, session=session, group=first.address)
+            Setup("src", i, src_tp, dst_tp, backend, opts, session=session, group=first.address)
             for i in range(1, src_tp)
         ]
-        + [Setup("dst", i, src_tp, dst_tp, session=session) for i in range(dst_tp)]
+        + [Setup("dst", i, src_tp, dst_tp, backend, opts, session=session) for i in range(dst_tp)]
     )
     return [first, *rest[: src_tp - 1]], rest[src_tp - 1 :]
 
 
-def test_a_decode_rank_reaches_every_prefill_rank_through_one_group_address() -> None:
-    pre, dec = _group(2, 1, FAST)
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_decode_rank_reaches_every_prefill_rank_through_one_group_address(backend: str) -> None:
+    pre, dec = _group(2, 1, FAST, backend)
     group = "group+" + pre[0].address
     try:
         dec[0].ok(Expect("r", [group], {"kv": [3, 4], "state": [1]}))
@@ -54,6 +68,7 @@ def test_a_decode_rank_reaches_every_prefill_rank_through_one_group_address() ->
             p.ok(Offer("r2"))
             p.ok(Write("r2", {"kv": [6]}, last=True))
         assert dec[0].ok(Wait("r2", 5)).state == "DONE"
+        dec[0].ok(Check({"kv": ([0, 1, 6], [3, 4, 5]), "state": ([2], [1])}))
     finally:
         for p in pre + dec:
             p.close()

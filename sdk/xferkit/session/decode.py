@@ -162,9 +162,11 @@ class DecodeSide(Core):
         fail = wire.Fail(rid=rec.rid, gen=rec.gen, stage=stage, text=text)
         for address in rec.sources:
             up = self._ups.get(address)
-            if up is None or not up.ready or address in quiet:
+            if up is None or address in quiet:
                 continue
-            if address in rec.requested:
+            if not up.ready:  # mid-handshake: told once the Welcome comes, so an offer there
+                up.queued.append(fail)  # fails with this text rather than a lease timeout
+            elif address in rec.requested:
                 self._to_up(up, abort)
                 rec.acks.add(address)
             else:  # it never heard of the request from us: tell it, nothing to wait for
