@@ -1,0 +1,132 @@
+"""The local copier (xferkit.copier) against numpy's strided copy and a plain memcpy.
+
+Prints a table and writes benchmarks/results/copier.json. Each case moves half
+of a 128 MiB buffer's rows (256-byte rows: a page's heads; 16-byte rows: the
+worst case for per-piece cost) into a packed staging buffer (pack) or back
+(unpack): every other row (the NHD 4->8 shape, a constant stride), a random
+half in order (pages scattered through a pool), or a random half in random
+order on both sides (general). Beside each: ``np.copyto`` of the every-other-row
+strided view (what a copier that knew the layout could do) and one memcpy of
+as many bytes (the ceiling), measured in the same run.
+Run: `python benchmarks/bench_copier.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from report import default_out, save
+
+from xferkit.copier import copy_pieces
+
+MIB = 1 << 20
+
+
+def _time(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Median and best seconds (the machine is shared: the best shows what the code can do)."""
+    fn()  # warm: pages faulted in
+    runs = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs), min(runs)
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def _case(
+    rng: np.random.Generator, big: np.ndarray, stage: np.ndarray, length: int, pattern: str
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], Callable[[], object]]:
+    """The copier's arguments, and the strided np.copyto that moves as many bytes."""
+    count = stage.size // length
+    if pattern == "scattered":  # half of the rows, in order: pages scattered through a pool
+        rows = np.sort(rng.choice(2 * count, count, replace=False)).astype(np.uint64)
+    elif pattern == "shuffled":  # half of the rows, in any order
+        rows = rng.permutation(2 * count)[:count].astype(np.uint64)
+    else:  # every other row: one TP rank's heads in an NHD page (4 -> 8)
+        rows = np.arange(0, 2 * count, 2, dtype=np.uint64)
+    pool = np.uint64(_addr(big)) + rows * np.uint64(length)
+    packed = np.arange(count, dtype=np.uint64)
+    if pattern == "shuffled":
+        packed = rng.permutation(packed)
+    packed = np.uint64(_addr(stage)) + packed * np.uint64(length)
+    nbytes = np.full(count, length, dtype=np.uint64)
+    grid = big.reshape(count, 2, length)[:, 0, :]
+    flat = stage.reshape(count, length)
+    return (pool, packed, nbytes), functools.partial(np.copyto, flat, grid)
+
+
+CASES = [
+    ("pack", "every-other"),
+    ("unpack", "every-other"),
+    ("pack", "scattered"),
+    ("unpack", "scattered"),
+    ("general", "shuffled"),
+]
+
+
+def run(size_mib: int, repeat: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 256, size_mib * MIB, dtype=np.uint8)
+    half = size_mib * MIB // 2
+    stage = np.zeros(half, dtype=np.uint8)
+    other = np.ones(half, dtype=np.uint8)
+
+    def memcpy() -> None:  # the same bytes, one call: the ceiling
+        ctypes.memmove(_addr(stage), _addr(other), half)
+
+    rows = []
+    for length in (256, 16):
+        for direction, pattern in CASES:
+            (pool, packed, nbytes), strided = _case(rng, big, stage, length, pattern)
+            args = (packed, pool, nbytes) if direction == "unpack" else (pool, packed, nbytes)
+            seconds, best = _time(functools.partial(copy_pieces, *args), repeat)
+            rows.append(
+                {
+                    "case": f"{direction} {length} B",
+                    "pattern": pattern,
+                    "pieces": len(nbytes),
+                    "bytes": half,
+                    "copier_gbps": half / seconds / 1e9,
+                    "copier_best_gbps": half / best / 1e9,
+                    "copyto_strided_gbps": half / _time(strided, repeat)[0] / 1e9,
+                    "memcpy_gbps": half / _time(memcpy, repeat)[0] / 1e9,
+                    "copier_ms": seconds * 1e3,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-mib", type=int, default=128, help="the strided buffer's size")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--out", default=default_out("copier"))
+    args = parser.parse_args()
+    rows = run(args.size_mib, args.repeat)
+    print(
+        f"{'case':<14}{'pattern':<13}{'pieces':>10}{'MiB':>5}{'copier GB/s':>13}{'best':>7}"
+        f"{'copyto GB/s':>13}{'memcpy GB/s':>13}{'copier ms':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['case']:<14}{r['pattern']:<13}{r['pieces']:>10,}{r['bytes'] / MIB:>5.0f}"
+            f"{r['copier_gbps']:>13.2f}{r['copier_best_gbps']:>7.2f}"
+            f"{r['copyto_strided_gbps']:>13.2f}"
+            f"{r['memcpy_gbps']:>13.2f}{r['copier_ms']:>11.1f}"
+        )
+    save(args.out, rows, size_mib=args.size_mib, repeat=args.repeat)
+
+
+if __name__ == "__main__":
+    main()
