@@ -11,7 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from session_rank import Abort, Check, Expect, Offer, RankProcess, Setup, Wait, Write, start
+from session_rank import (
+    BACKENDS,
+    Abort,
+    Check,
+    Expect,
+    Offer,
+    RankProcess,
+    Setup,
+    Wait,
+    Write,
+    start,
+)
 
 TOPOLOGIES = [(2, 4), (4, 2)]  # (prefill TP, decode TP)
 
@@ -31,13 +42,6 @@ class Cluster:
     def check_bytes(self) -> None:
         for d in self.dec:
             d.ok(Check({p: v for p, v in self.written.items() if v[0]}))
-
-
-BACKENDS = {
-    "loopback": {},
-    "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
-    "nixl": {},
-}
 
 
 @pytest.fixture(
