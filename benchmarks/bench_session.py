@@ -12,11 +12,15 @@ layers, k and v, one KV head of 128, pages of 64 tokens, bf16: 160 regions,
   is the control plane's cost. Also with CurveZMQ keys (the encryption's cost).
 - rate: one-page requests pipelined in blocks through one pair, against the
   same writes pipelined directly.
+
+Session and direct measurements alternate (``--rounds``), so drift and the
+load of other processes on the machine hit both alike.
 - big: an 8192-token request (128 pages, 20480 descriptors, 320 MiB) through
   a Session against the same descriptors written directly, alternating, per
   driver (loopback, mooncake over TCP, nixl over UCX host memory).
 
-Prints a table and writes benchmarks/results/session.json.
+Prints a table and writes benchmarks/results/session.json. ``--drivers ''``
+skips the big test; ``--no-curve`` the CurveZMQ row.
 """
 
 from __future__ import annotations
@@ -174,8 +178,10 @@ class Pair:
         self.session.progress()
         return out[:count]
 
-    def pipelined(self, count: int, src: list[int], dst: list[int], block: int) -> float:
-        """Requests per second, ``block`` in flight at a time (all into the same slots)."""
+    def pipelined(
+        self, count: int, src: list[int], dst: list[int], block: int
+    ) -> tuple[int, float]:
+        """(requests, seconds): ``block`` in flight at a time (all into the same slots)."""
         took = 0.0
         done = 0
         while done < count:
@@ -189,7 +195,7 @@ class Pair:
             done += block
             self.ask("reap")
         self.session.progress()
-        return done / took
+        return done, took
 
     def close(self) -> None:
         self.conn.send(("quit",))
@@ -201,16 +207,28 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def latency(driver: str, count: int, keys: tuple[bytes, bytes] | None) -> dict[str, Any]:
+def latency(
+    driver: str, count: int, keys: tuple[bytes, bytes] | None, rounds: int
+) -> dict[str, Any]:
     pair = Pair(driver, 8, keys)
+    per = max(count // rounds, 1)
+    session: list[float] = []
+    direct: list[float] = []
+    took = direct_took = 0.0
+    done = direct_done = 0
     try:
         pair.one_by_one(50, [1], [2])  # warm: handshake, first plans
-        session = pair.one_by_one(count, [1], [2])
-        direct = pair.ask("direct", [1], [2], count, False)
-        rate = pair.pipelined(count * 4, [1], [2], block=64)
-        direct_rate = count * 4 / pair.ask("direct", [1], [2], count * 4, True)[0]
+        for _ in range(rounds):  # alternating, so drift hits both alike
+            session += pair.one_by_one(per, [1], [2])
+            direct += pair.ask("direct", [1], [2], per, False)
+        for _ in range(rounds):
+            n, t = pair.pipelined(per * 4, [1], [2], block=64)
+            done, took = done + n, took + t
+            direct_took += pair.ask("direct", [1], [2], per * 4, True)[0]
+            direct_done += per * 4
     finally:
         pair.close()
+    rate, direct_rate = done / took, direct_done / direct_took
     base = statistics.median(direct)
     extra = [s - base for s in session]
     return {
@@ -261,15 +279,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--drivers", default=",".join(DRIVERS))
+    parser.add_argument(
+        "--rounds", type=int, default=10, help="session and direct alternate this many times"
+    )
+    parser.add_argument(
+        "--drivers", default=",".join(DRIVERS), help="drivers of the big test ('': skip it)"
+    )
+    parser.add_argument("--no-curve", action="store_true", help="skip the CurveZMQ row")
     parser.add_argument("--out", default=default_out("session"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     public, secret = zmq.curve_keypair()
-    rows = [
-        latency("loopback", args.requests, None),
-        latency("loopback", args.requests, (public, secret)),
-    ]
+    rows = [latency("loopback", args.requests, None, args.rounds)]
+    if not args.no_curve:
+        rows.append(latency("loopback", args.requests, (public, secret), args.rounds))
     print(
         f"{'one page (160 descs, 2.5 MiB)':<32}{'median ms':>10}{'p99 ms':>8}"
         f"{'direct ms':>10}{'ctl med':>8}{'ctl p99':>8}{'req/s':>8}{'direct/s':>9}"
@@ -281,19 +304,29 @@ def main() -> None:
             f"{r['direct_median_ms']:>10.3f}{r['control_median_ms']:>8.3f}"
             f"{r['control_p99_ms']:>8.3f}{r['session_req_s']:>8.0f}{r['direct_req_s']:>9.0f}"
         )
-    enc = rows[1]["session_median_ms"] - rows[0]["session_median_ms"]
-    print(f"CurveZMQ cost per request (median latency with keys - without): {enc:.3f} ms")
-    bigs = [big(d, args.repeat) for d in args.drivers.split(",")]
-    print(
-        f"\n{'8192 tokens':<12}{'descs':>8}{'MiB':>6}{'session GB/s':>14}"
-        f"{'direct GB/s':>13}{'ratio':>7}"
-    )
+    enc = None
+    if len(rows) > 1:
+        enc = rows[1]["session_median_ms"] - rows[0]["session_median_ms"]
+        print(f"CurveZMQ cost per request (median latency with keys - without): {enc:.3f} ms")
+    bigs = [big(d, args.repeat) for d in args.drivers.split(",") if d]
+    if bigs:
+        print(
+            f"\n{'8192 tokens':<12}{'descs':>8}{'MiB':>6}{'session GB/s':>14}"
+            f"{'direct GB/s':>13}{'ratio':>7}"
+        )
     for r in bigs:
         print(
             f"{r['driver']:<12}{r['descriptors']:>8}{r['mib']:>6.0f}{r['session_gbps']:>14.2f}"
             f"{r['direct_gbps']:>13.2f}{r['ratio']:>7.3f}"
         )
-    save(args.out, rows + bigs, requests=args.requests, repeat=args.repeat, curve_ms=enc)
+    save(
+        args.out,
+        rows + bigs,
+        requests=args.requests,
+        rounds=args.rounds,
+        repeat=args.repeat,
+        curve_ms=enc,
+    )
 
 
 if __name__ == "__main__":

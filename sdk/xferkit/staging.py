@@ -22,7 +22,7 @@ addresses need to travel.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal, NamedTuple, get_args
 
 import numpy as np
@@ -35,6 +35,9 @@ from .planner import Pieces, Plan, _Group
 Path = Literal["direct", "pack", "unpack", "both"]
 PATHS: tuple[Path, ...] = get_args(Path)
 Force = Path | Literal["staged"] | None
+
+FORCE: dict[str, Force] = {"auto": None, "always": "staged"}
+"""A Session's ``staging`` setting as ``stage``'s ``force`` ("never" stages nothing)."""
 
 COPY_COST = 1.0
 """Wire-byte equivalents one locally copied byte costs: a local copy runs at memory bandwidth,
@@ -130,6 +133,14 @@ class StagedPlan:
     def staged(self) -> bool:
         """True when some group goes through staging."""
         return bool(self._staged)
+
+    def packs(self, pools: Iterable[str]) -> bool:
+        """Whether a request naming ``pools`` needs source staging."""
+        return any(s.src_side and s.group.pool in pools for s in self._staged)
+
+    def unpacks(self, pools: Iterable[str]) -> bool:
+        """Whether a request naming ``pools`` needs destination staging."""
+        return any(s.dst_side and s.group.pool in pools for s in self._staged)
 
     def expand(
         self,

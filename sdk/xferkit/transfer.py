@@ -153,6 +153,11 @@ class Transfer:
             if all(p.poll() is not Status.PENDING for p in self._posted):
                 self._end(Status.FAILED)
             return
+        if not self._waiting and self._posted and self._posted[-1].poll() is Status.PENDING:
+            # Everything is out, so every batch but the last was done before it went: only
+            # the last can be running (the common case of a poll; no need to look at the rest).
+            self._check_deadline()
+            return
         # All but the last batch go out at once; the last (with the notification) waits.
         while len(self._waiting) > 1:
             self._post_next(self._waiting.pop(0), None)
@@ -170,6 +175,9 @@ class Transfer:
             self._release_all()
             self._end(Status.DONE)
             return
+        self._check_deadline()
+
+    def _check_deadline(self) -> None:
         if self._deadline is not None and time.monotonic() > self._deadline:
             self._fail(f"timed out: not done {self._timeout} s after it was posted")
             self._advance()

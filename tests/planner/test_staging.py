@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xferkit import PlanError, coverage, plan
-from xferkit.staging import PATHS, stage
+from xferkit.staging import PATHS, Force, stage
 from xferkit.testing import Reference, RegionSpec, layouts, slot_requests, staged_handoff
 from xferkit.testing.strategies import INTERESTING_TP
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FORCES = st.sampled_from([None, "staged", *PATHS])
+FORCES: st.SearchStrategy[Force] = st.sampled_from([None, "staged", *PATHS])
 
 
 def _largest_slot(ref: Reference) -> int:

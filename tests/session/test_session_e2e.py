@@ -1,5 +1,8 @@
 """Prefill TP 2 -> decode TP 4 and TP 4 -> TP 2 through Sessions, every rank in its own process.
 
+Each topology runs direct (``staging="never"``) and with every region group staged through
+small slices (several rounds per chunk, pack and unpack on the ranks' own CPUs).
+
 Each rank builds the same reference model (GDN hybrid: GQA KV pages, conv and
 temporal state, an empty short-conv state), so a decode rank checks every byte
 it holds against the model without bytes crossing the test's pipes. Runs on the
@@ -9,6 +12,7 @@ loopback, on Mooncake (TCP on 127.0.0.1) and on NIXL (UCX, host memory).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from session_rank import (
@@ -44,16 +48,28 @@ class Cluster:
             d.ok(Check({p: v for p, v in self.written.items() if v[0]}))
 
 
+STAGING: dict[str, dict[str, Any]] = {
+    "never": {"staging": "never"},
+    # Every region group through staging, with slices small enough that a chunk takes
+    # several rounds and the chunks of a request queue for the decode rank's halves.
+    "staged": {"staging": "always", "staging_bytes": 1 << 14, "staging_slice_bytes": 1 << 12},
+}
+
+
 @pytest.fixture(
     scope="module",
-    params=[(b, t) for b in sorted(BACKENDS) for t in TOPOLOGIES],
-    ids=lambda p: f"{p[0]}-tp{p[1][0]}to{p[1][1]}",
+    params=[(b, t, s) for b in sorted(BACKENDS) for t in TOPOLOGIES for s in sorted(STAGING)],
+    ids=lambda p: f"{p[0]}-tp{p[1][0]}to{p[1][1]}-{p[2]}",
 )
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    name, (src_tp, dst_tp) = request.param
-    options = BACKENDS[name]
-    setups = [Setup("src", i, src_tp, dst_tp, name, options) for i in range(src_tp)]
-    setups += [Setup("dst", i, src_tp, dst_tp, name, options) for i in range(dst_tp)]
+    name, (src_tp, dst_tp), staging = request.param
+    options, session = BACKENDS[name], STAGING[staging]
+    setups = [
+        Setup("src", i, src_tp, dst_tp, name, options, session=session) for i in range(src_tp)
+    ]
+    setups += [
+        Setup("dst", i, src_tp, dst_tp, name, options, session=session) for i in range(dst_tp)
+    ]
     procs = start(setups)
     yield Cluster(procs, src_tp)
     for p in procs:

@@ -8,14 +8,15 @@ is named by a pidfd taken at connect and its start time, so a reused PID is
 never written. Copies run on one worker thread per peer (a stalled peer holds
 no other back; the C helper releases the GIL); another process is written
 with process_vm_writev; notifications travel as datagrams on an abstract unix
-socket, sent only after the data, and are queued on arrival by a receiver
-thread, up to a bound.
+socket, sent only after the data, taken off it by whoever drains (an event
+loop sleeping on ``notification_fd`` is woken by the datagram itself), and
+moved into a bounded inbox by a thread when a sender finds the socket full
+(``notices``).
 """
 
 from __future__ import annotations
 
 import os
-import select
 import threading
 import uuid
 import weakref
@@ -28,7 +29,7 @@ import numpy as np
 from xferkit import Descriptors, Manifest, Region
 from xferkit.driver import AddressTable, Capabilities, Driver, Posted
 
-from .copy import allow_writers, copy_local, explain, read_remote, start_time, write_remote
+from .copy import allow_writers, copy_local, explain, start_time, write_remote
 from .faults import Faults
 from .link import Job, Link, LoopbackBlob
 from .notices import Mailbox
@@ -143,28 +144,27 @@ class LoopbackDriver(Driver):
     # -- posting ---------------------------------------------------------------
 
     def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
-        return self._queue(Job(link, descs, notify))
+        return self._queue(link, descs, notify)
 
     def notify(self, link: Any, message: bytes) -> Posted:
-        return self._queue(Job(link, None, message))
+        return self._queue(link, None, message)
 
-    def _queue(self, job: Job) -> Job:
+    def _queue(self, link: Link, descs: Descriptors | None, notify: bytes | None) -> Job:
         with self._lock:
             self._counts["post"] += 1
             n = self._counts["post"]
-        if n == self.faults.fail_post_at:
-            job.fail = f"injected failure of post #{n}"
-        job.stall = n == self.faults.stall_post_at
-        job.link.worker.post(job)
+        fail = f"injected failure of post #{n}" if n == self.faults.fail_post_at else None
+        job = Job(link, descs, notify, fail, stall=n == self.faults.stall_post_at)
+        link.worker.post(job)
         return job
 
     def _execute(self, job: Job) -> str | None:
         link, d = job.link, job.descs
-        if job.stall:
+        if job.released is not None:  # an injected stall
             job.released.wait()
             return "stalled post aborted"
-        if f"loopback:{link.address}" in self.faults.dropped_peers:
-            return f"peer loopback:{link.address} is unreachable (connection dropped)"
+        if link.name in self.faults.dropped_peers:
+            return f"peer {link.name} is unreachable (connection dropped)"
         if job.fail is not None:
             return job.fail
         if d is not None:
@@ -174,9 +174,11 @@ class LoopbackDriver(Driver):
         if job.notify is not None:
             with self._lock:
                 self._counts["note"] += 1
-                lost = self._counts["note"] == self.faults.lose_notification_at
-            if not lost:
-                return self._mail.send(self.address, job.notify, link.address, link.socket)
+                n = self._counts["note"]
+            if n != self.faults.lose_notification_at:
+                return self._mail.send(
+                    self.address, job.notify, link.address, link.socket, link.pokes
+                )
         return None
 
     def _copy(self, link: Link, d: Descriptors) -> str | None:
@@ -201,16 +203,16 @@ class LoopbackDriver(Driver):
 
     def _stale(self, link: Link) -> str | None:
         """Why the peer's memory is no longer what its endpoint offered, or None."""
-        name = f"loopback:{link.address}"
-        if link.local:
+        name = link.name
+        if link.generation_word is None:  # in this process
             target = _LIVE.get(link.blob.id)
             if target is None:
                 return f"peer {name} is closed"
             generation = int(target._generation[0])
         else:
-            if select.select([link.pidfd], [], [], 0)[0]:  # readable: the process exited
+            if link.exited.poll(0):  # readable pidfd: the process exited
                 return f"peer {name}: process {link.blob.pid} has exited"
-            err, generation = read_remote(link.blob.pid, link.blob.generation_addr)
+            err, generation = link.generation_word.read()
             if err:
                 return f"peer {name}: reading its registration state: {explain(err, link.blob.pid)}"
         if generation != link.blob.generation:

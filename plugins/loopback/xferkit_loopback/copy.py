@@ -72,15 +72,28 @@ _pvm_readv.restype = ctypes.c_ssize_t
 _pvm_readv.argtypes = _pvm_writev.argtypes
 
 
-def read_remote(pid: int, addr: int) -> tuple[int, int]:
-    """(errno, value): one uint64 read from ``pid`` at ``addr`` with process_vm_readv."""
-    value = ctypes.c_uint64()
-    local = (ctypes.c_uint64 * 2)(ctypes.addressof(value), 8)
-    remote = (ctypes.c_uint64 * 2)(addr, 8)
-    got = _pvm_readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0)
-    if got != 8:
-        return (ctypes.get_errno() or errno.EFAULT), 0
-    return 0, value.value
+class RemoteWord:
+    """One uint64 of another process, read again and again (its iovecs are built once).
+
+    Not thread-safe: one reader at a time.
+    """
+
+    __slots__ = ("_local", "_pid", "_remote", "_value")
+
+    def __init__(self, pid: int, addr: int) -> None:
+        self._pid = pid
+        self._value = ctypes.c_uint64()
+        local = (ctypes.c_uint64 * 2)(ctypes.addressof(self._value), 8)
+        remote = (ctypes.c_uint64 * 2)(addr, 8)
+        self._local = (local, ctypes.addressof(local))
+        self._remote = (remote, ctypes.addressof(remote))
+
+    def read(self) -> tuple[int, int]:
+        """(errno, value), read with process_vm_readv."""
+        got = _pvm_readv(self._pid, self._local[1], 1, self._remote[1], 1, 0)
+        if got != 8:
+            return (ctypes.get_errno() or errno.EFAULT), 0
+        return 0, self._value.value
 
 
 def start_time(pid: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import threading
 from collections.abc import Callable
 
@@ -12,8 +13,8 @@ import numpy as np
 from xferkit import Descriptors
 from xferkit.driver import AddressTable, BatchWorker, QueuedBatch
 
-from .copy import start_time
-from .notices import socket_name
+from .copy import RemoteWord, start_time
+from .notices import poke_name, socket_name
 
 
 class LoopbackBlob(msgspec.Struct, frozen=True):
@@ -28,18 +29,30 @@ class LoopbackBlob(msgspec.Struct, frozen=True):
 
 
 class Job(QueuedBatch):
-    __slots__ = ("fail", "link", "released", "stall")
+    __slots__ = ("fail", "link", "released")
 
-    def __init__(self, link: Link, descs: Descriptors | None, notify: bytes | None) -> None:
+    def __init__(
+        self,
+        link: Link,
+        descs: Descriptors | None,
+        notify: bytes | None,
+        fail: str | None = None,
+        stall: bool = False,
+    ) -> None:
         super().__init__(descs, notify)
         self.link = link
-        self.fail: str | None = None  # injected failure text
-        self.stall = False
-        self.released = threading.Event()
+        self.fail = fail  # injected failure text
+        # A stalled job (injected) runs until released; the others need no event for it.
+        self.released = threading.Event() if stall else None
+
+    @property
+    def stall(self) -> bool:
+        return self.released is not None
 
     def release(self) -> None:
         super().release()
-        self.released.set()  # also ends a stall
+        if self.released is not None:
+            self.released.set()  # ends the stall
 
 
 class Link:
@@ -48,12 +61,19 @@ class Link:
 
     def __init__(self, blob: LoopbackBlob, execute: Callable[[Job], str | None], name: str) -> None:
         self.address = f"{blob.pid}:{blob.id}"
+        self.name = f"loopback:{self.address}"  # as the core names the peer
         self.blob = blob
         self.socket = socket_name(blob.id)
+        self.pokes = poke_name(blob.id)
         table = np.array(blob.regions, dtype=np.uint64).reshape(-1, 2)
         self.registered = AddressTable(table[:, 0], table[:, 1] - table[:, 0])
         self.local = blob.pid == os.getpid()
         self.pidfd = -1 if self.local else _open_process(blob.pid, blob.started)
+        self.exited = select.poll()  # readable pidfd: the process exited
+        if self.pidfd >= 0:
+            self.exited.register(self.pidfd, select.POLLIN)
+        # Reads the peer's registration generation; only this link's worker uses it.
+        self.generation_word = None if self.local else RemoteWord(blob.pid, blob.generation_addr)
         self.worker: BatchWorker[Job] = BatchWorker(execute, name=name)
 
     def close(self) -> None:

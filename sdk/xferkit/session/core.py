@@ -26,12 +26,15 @@ if TYPE_CHECKING:
 
     import numpy as np
 
+    from ..copier import Copier
+    from ..transfer import Transfer
     from . import wire
     from .decode import Recv
     from .handles import Receive, Send, _Handle
     from .handshake import Backoff, Down, Up
     from .prefill import Drain, SendRec
     from .roster import Group, Membership
+    from .rounds import Slices
 
 log = logging.getLogger("xferkit.session")
 
@@ -39,6 +42,11 @@ REMEMBERED = 1 << 16
 """Finished request ids remembered per session, to refuse duplicates and drop late messages."""
 DRAIN_S = 10.0
 """How long a failing request waits for its transfers to leave the driver."""
+POLL_S = 0.001
+"""How often the I/O thread polls writes in flight (a driver cannot wake it when one ends)."""
+YIELD_S = 5e-5
+"""How long the I/O thread pauses between requests while the driver is behind (see
+``Loop._yield_if_behind``)."""
 HWM = 100_000
 """ZMQ high-water mark of every socket: messages queued before a send would block."""
 
@@ -75,7 +83,11 @@ class Core:
     reconnect_max_s: float
     pp_rank: int
     pp_size: int
+    staging: str  # "auto", "always" or "never"
+    _slices: Slices
+    _copier: Copier
     _notifying: bool
+    _poll_notes: bool  # notifications without a descriptor to sleep on: polled while receiving
     # shared with the engine's threads (under _lock)
     _lock: threading.Lock
     _progress: list[str]
@@ -89,6 +101,11 @@ class Core:
     _downs: dict[bytes, Down]
     _recvs: dict[str, Recv]
     _sends: dict[str, SendRec]
+    _writing: dict[str, SendRec]  # the sends with writes in flight (what the loop polls)
+    _poll_at: float  # when the loop polls them next
+    _behind: bool  # the write posted before the last one was still running when it went
+    _posted: bool  # a write was posted in this pass of the loop
+    _last_write: Transfer | None
     _drains: list[Drain]
     _finished: OrderedDict[str, None]
     _early: OrderedDict[str, Any]  # rid -> RequestError: failed before offer()

@@ -17,19 +17,24 @@ import numpy as np
 
 from ..errors import PlanError, ProtocolError, XferError
 from ..planner import coverage
+from ..staging import FORCE, stage
 from . import wire
 from .core import Core, log, stage_text
 from .handles import Receive, RequestError, State
 from .handshake import Up
+from .rounds import Inbound
 
 
 class Source:
-    """What a decode request still needs from one source rank."""
+    """What a decode request still needs from one source rank, and the staging slice it may
+    write rounds into (0: none; its chunks then go direct)."""
 
-    __slots__ = ("rank", "seen", "total")
+    __slots__ = ("inbound", "rank", "seen", "slice", "total")
 
     def __init__(self, rank: int) -> None:
         self.rank, self.seen, self.total = rank, 0, 0
+        self.slice = 0
+        self.inbound: dict[int, Inbound] = {}  # staged chunk -> its rounds, unpacked as they land
 
     @property
     def complete(self) -> bool:
@@ -116,9 +121,17 @@ class DecodeSide(Core):
         for i in cov.sources:
             u = live[i]
             assert u.welcome is not None
-            rec.needed[u.address] = Source(u.welcome.tp_rank)
+            src = rec.needed[u.address] = Source(u.welcome.tp_rank)
+            if u.welcome.staging in FORCE and u.staged is None:
+                force = FORCE[u.welcome.staging]
+                u.staged = stage(
+                    cov.plans[i], descriptor_bytes=u.welcome.descriptor_bytes, force=force
+                )
+            if u.staged is not None and u.staged.unpacks(rec.slots):
+                src.slice = self._slices.take() or 0  # none free: this source writes direct
         lists = {p: s.tolist() for p, s in rec.slots.items()}
         for u in live:
+            need = rec.needed.get(u.address)
             self._to_up(
                 u,
                 wire.Request(
@@ -126,9 +139,11 @@ class DecodeSide(Core):
                     gen=rec.gen,
                     dst_rank=self.manifest.tp_rank,
                     dst_size=self.manifest.tp_size,
-                    needed=u.address in rec.needed,
+                    needed=need is not None,
                     slots=lists,
                     registration=self.backend.generation,
+                    staging=need.slice if need is not None else 0,
+                    staging_bytes=self._slices.slice_bytes if need and need.slice else 0,
                 ),
             )
             rec.requested.add(u.address)
@@ -137,7 +152,16 @@ class DecodeSide(Core):
 
     def _check_recv(self, rec: Recv) -> None:
         if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
+            self._release_slices(rec)
             self._done(rec.handle, self._recvs)
+
+    def _release_slices(self, rec: Recv) -> None:
+        """Return ``rec``'s staging: every write into it landed or was confirmed stopped."""
+        for src in rec.needed.values():
+            if src.slice:
+                self._slices.give(src.slice)
+                src.slice = 0
+                src.inbound.clear()
 
     def _fail_recv(
         self,
@@ -177,6 +201,7 @@ class DecodeSide(Core):
         if rec.error is None or rec.acks:
             return
         stage, text, peer = rec.error
+        self._release_slices(rec)
         rec.handle._fail(RequestError(text, stage=stage, request_id=rec.rid, peer=peer))
         if self._recvs.get(rec.rid) is rec:
             del self._recvs[rec.rid]
@@ -236,7 +261,8 @@ class DecodeSide(Core):
                 rec.acks.discard(up.address)
                 self._settle_recv(rec)
         elif isinstance(msg, wire.Written):
-            self._completed(up, wire.Tag(msg.rid, msg.gen, msg.src_rank, msg.seq, msg.total))
+            tag = wire.Tag(msg.rid, msg.gen, msg.src_rank, msg.seq, msg.total, msg.round)
+            self._completed(up, tag)
         elif isinstance(msg, wire.Bye):
             self._lose_up(up, f"{up.where()} closed its session: {msg.reason}")
         else:
@@ -285,8 +311,51 @@ class DecodeSide(Core):
                 up.address,
             )
             return
+        if tag.round is not None and not self._unpack(rec, up, src, tag.round):
+            return
         src.seen += 1
         if tag.total:
             src.total = tag.total
         rec.handle._move(State.TRANSFERRING)
         self._check_recv(rec)
+
+    def _unpack(self, rec: Recv, up: Up, src: Source, r: wire.Round) -> bool:
+        """Scatter a staged round that landed in ``src``'s slice into the request's slots, and
+        free its half; False (the request failed) for a round that matches nothing we offered."""
+        inbound = src.inbound.get(r.chunk)
+        problem = ""
+        if inbound is None:
+            if up.staged is None or up.welcome is None:
+                problem = "a staged round from a pair without staging"
+            else:
+                try:
+                    chunk = {}
+                    for pool, (first, count) in r.at.items():
+                        dst = rec.slots[pool][first : first + count]
+                        if dst.size != count:
+                            raise PlanError(f"slots [{first}, +{count}) of pool {pool!r}")
+                        chunk[pool] = (np.zeros(count, dtype=np.int64), dst)  # unused here
+                    req = up.staged.expand(
+                        chunk,
+                        src_capacity=up.welcome.slice_bytes // 2,
+                        dst_capacity=self._slices.half if src.slice else 0,
+                    )
+                    inbound = src.inbound[r.chunk] = Inbound(
+                        req, src.slice, self._slices.half, self._copier
+                    )
+                except (PlanError, KeyError) as exc:
+                    problem = f"a staged chunk naming {exc}"
+        if inbound is not None and not problem:
+            if not 0 <= r.index < len(inbound.req.rounds):
+                problem = f"round {r.index} of a chunk of {len(inbound.req.rounds)}"
+            elif inbound.req.rounds[r.index].dst_bytes:
+                if not src.slice or not inbound.landed(r.index, r.half):
+                    problem = f"round {r.index} landing twice or in staging never offered"
+                else:
+                    msg = wire.Unpacked(rid=rec.rid, gen=rec.gen, chunk=r.chunk, index=r.index)
+                    self._to_up(up, msg)
+        if problem:
+            detail = f"{up.where()} sent {problem}: nothing of it was unpacked"
+            self._fail_recv(rec, "transfer", detail, up.address)
+            return False
+        return True

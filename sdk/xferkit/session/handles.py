@@ -116,7 +116,8 @@ class _Handle:
         with self._cond:
             if not self.done and state > self._state:
                 self._state = state
-                self._cond.notify_all()
+                if state is State.DONE:  # waiters wait for the end only: wake them then
+                    self._cond.notify_all()
 
     def _fail(self, error: RequestError) -> bool:
         with self._cond:

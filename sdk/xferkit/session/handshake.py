@@ -20,6 +20,7 @@ from ..backend import Peer
 from ..errors import ManifestError, PlanError, XferError
 from ..manifest import Manifest
 from ..planner import Plan, plan
+from ..staging import FORCE, StagedPlan, stage
 from . import wire
 from .core import Core, log, stage_text
 
@@ -49,6 +50,7 @@ class Up:
         self.last_seen = now
         self.last_ping = now
         self.queued: list[wire.Message] = []  # sent once the Welcome came (renewals)
+        self.staged: StagedPlan | None = None  # its routes into this rank, once a request needs it
 
     @property
     def ready(self) -> bool:
@@ -68,6 +70,7 @@ class Down:
         self.manifest: Manifest | None = None
         self.peer: Peer | None = None
         self.plan: Plan | None = None
+        self.staged: StagedPlan | None = None  # None: every chunk goes direct
         self.error: tuple[str, str] | None = None
         self.last_seen = now
 
@@ -215,6 +218,9 @@ class Handshake(Core):
             try:
                 down.manifest = Manifest.decode(msg.manifest)
                 down.plan = plan(self.manifest, down.manifest)
+                if self.staging in FORCE:
+                    cost = self.backend.capabilities.descriptor_bytes
+                    down.staged = stage(down.plan, descriptor_bytes=cost, force=FORCE[self.staging])
                 down.peer = self.backend.connect(msg.endpoint, down.manifest)
             except PlanError as exc:
                 down.error = (
@@ -229,5 +235,10 @@ class Handshake(Core):
         if down.error is not None:
             log.warning("%s: %s", self.address, down.error[1])
             reply.update(stage=down.error[0], error=down.error[1])
+        reply.update(
+            staging=self.staging,
+            descriptor_bytes=self.backend.capabilities.descriptor_bytes,
+            slice_bytes=self._slices.slice_bytes,
+        )
         self._downs[ident] = down
         self._to_down(ident, wire.Welcome(**reply))

@@ -16,13 +16,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..descriptors import Descriptors
 from ..driver import Status
 from ..errors import PlanError, XferError
 from ..transfer import Transfer
 from . import wire
-from .core import DRAIN_S, Core, log, remember, stage_text
+from .core import DRAIN_S, POLL_S, log, remember, stage_text
 from .handles import RequestError, Send, State
 from .handshake import Down
+from .rounds import Halves
+from .staged import Chunk, StagedWrites
 
 
 class Dst:
@@ -34,9 +37,14 @@ class Dst:
         self.needed = msg.needed
         self.slots = {p: np.asarray(s, dtype=np.int64) for p, s in msg.slots.items()}
         self.cursor = dict.fromkeys(self.slots, 0)
-        self.seq = 0
+        self.seq = 0  # writes posted
+        self.planned = 0  # writes posted or still to post (staged rounds): the total, once last
         self.last = False
         self.transfers: list[tuple[Transfer, wire.Tag | None]] = []  # tag None: completed
+        self.staging, self.staging_bytes = msg.staging, msg.staging_bytes  # its slice for us
+        self.chunks = 0
+        self.staged: dict[int, Chunk] = {}
+        self.halves = Halves()  # of its slice, shared by the staged chunks
 
 
 class SendRec:
@@ -83,7 +91,7 @@ class Drain:
         return not pending
 
 
-class PrefillSide(Core):
+class PrefillSide(StagedWrites):
     """Sends: requests from decode ranks, chunks from the engine, writes, leases, drains."""
 
     def _on_down_message(self, down: Down, msg: wire.Message) -> None:
@@ -100,6 +108,8 @@ class PrefillSide(Core):
             self._on_request(down, msg)
         elif isinstance(msg, wire.Abort | wire.Fail):
             self._on_remote_fail(down, msg)
+        elif isinstance(msg, wire.Unpacked):
+            self._on_unpacked(down, msg)
         elif isinstance(msg, wire.Renew):
             for rid in msg.rids:
                 rec = self._sends.get(rid)
@@ -124,7 +134,6 @@ class PrefillSide(Core):
         def fail(stage: str, text: str) -> None:
             self._to_down(down.ident, wire.Fail(rid=msg.rid, gen=msg.gen, stage=stage, text=text))
 
-        where = self.where("prefill")
         failed = self._failed.get(msg.rid) or self._early.get(msg.rid)
         if failed is not None:  # it failed here before this rank asked: the root cause
             fail(failed.stage, failed.args[0])
@@ -145,7 +154,7 @@ class PrefillSide(Core):
                 f"(registration {down.peer.generation}, now {msg.registration}): the endpoint "
                 "this rank holds is stale, so nothing is written through it"
             )
-            text = stage_text(msg.rid, "handshake", where, detail)
+            text = stage_text(msg.rid, "handshake", self.where("prefill"), detail)
             live = self._sends.get(msg.rid)
             if live is not None:
                 self._fail_send(live, "handshake", text, formatted=True)
@@ -166,7 +175,7 @@ class PrefillSide(Core):
         if problem is None and rec is not None and rec.dst_size not in (None, msg.dst_size):
             problem = f"decode ranks disagree on their TP size ({rec.dst_size} and {msg.dst_size})"
         if problem is not None:
-            fail("request", stage_text(msg.rid, "request", where, problem))
+            fail("request", stage_text(msg.rid, "request", self.where("prefill"), problem))
             return
         assert down.plan is not None
         if msg.needed == down.plan.empty:
@@ -174,7 +183,7 @@ class PrefillSide(Core):
                 f"the plans disagree: decode rank {msg.dst_rank} says it "
                 f"{'needs' if msg.needed else 'does not need'} this source"
             )
-            fail("plan", stage_text(msg.rid, "plan", where, detail))
+            fail("plan", stage_text(msg.rid, "plan", self.where("prefill"), detail))
             return
         rec = self._send_rec(msg.rid)
         if rec.lease_until is not None:  # claimed: the request's own deadline runs again
@@ -190,6 +199,8 @@ class PrefillSide(Core):
     def _on_offer(self, handle: Send) -> None:
         rid = handle.request_id
         early = self._early.pop(rid, None)
+        if early is not None:  # decode ranks asking after this get the same root cause
+            remember(self._failed, rid, early)
         if early is not None or rid in self._finished:
             handle._fail(
                 early
@@ -224,6 +235,7 @@ class PrefillSide(Core):
         self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool
     ) -> None:
         request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        spans: dict[str, tuple[int, int]] = {}
         for pool, src in slots.items():
             have = dst.slots.get(pool)
             at = dst.cursor.get(pool, 0)
@@ -237,6 +249,7 @@ class PrefillSide(Core):
                 )
                 return
             request[pool] = (src, have[at : at + src.size])
+            spans[pool] = (at, src.size)
             dst.cursor[pool] = at + src.size
         if last:
             short = [p for p, s in dst.slots.items() if dst.cursor[p] != s.size]
@@ -253,16 +266,32 @@ class PrefillSide(Core):
         if not dst.needed:
             return
         assert dst.down.plan is not None and dst.down.peer is not None
-        try:
-            descs = dst.down.plan.expand(request)
-        except PlanError as exc:
-            self._fail_send(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
-            return
-        if len(descs) == 0 and not last:
-            return
-        tag = wire.Tag(rec.rid, dst.gen, self.manifest.tp_rank, dst.seq, dst.seq + 1 if last else 0)
+        staged = self._stage_chunk(rec, dst, request, spans)
+        chunk = None
+        if staged is not None:
+            descs, chunk = staged
+            dst.planned += chunk.out.rounds
+        else:
+            try:
+                descs = dst.down.plan.expand(request)
+            except PlanError as exc:
+                self._fail_send(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
+                return
+        # The last chunk's writes announce the total; with none to post, an empty one does.
+        if len(descs) or (last and not any(c.out.next < c.out.rounds for c in dst.staged.values())):
+            dst.planned += 1
+            self._post(rec, dst, descs, None)
+        if chunk is not None:
+            self._pump(rec, dst)
+
+    def _post(self, rec: SendRec, dst: Dst, descs: Descriptors, r: wire.Round | None) -> None:
+        """One write to ``dst`` with its completion tag (the total on every write once known)."""
+        assert dst.down.peer is not None
+        total = dst.planned if dst.last else 0
+        tag = wire.Tag(rec.rid, dst.gen, self.manifest.tp_rank, dst.seq, total, r)
         dst.seq += 1
-        left = max(rec.deadline - time.monotonic(), 0.001)
+        now = time.monotonic()
+        left = max(rec.deadline - now, 0.001)
         try:
             transfer = self.backend.write(
                 dst.down.peer, descs, wire.encode(tag) if self._notifying else None, timeout=left
@@ -271,20 +300,31 @@ class PrefillSide(Core):
             self._fail_send(rec, "transfer", f"writing to {dst.down.where()}: {exc}")
             return
         dst.transfers.append((transfer, tag))
+        self._posted = True
+        prev, self._last_write = self._last_write, transfer
+        if prev is not None and prev.poll() is Status.PENDING:
+            self._behind = True  # the driver has not caught up with the previous write
+        if not self._writing:  # nothing to learn from polling it at once
+            self._poll_at = now + POLL_S
+        self._writing[rec.rid] = rec
         if rec.handle is not None:
             rec.handle._move(State.TRANSFERRING)
 
     def _poll_transfers(self) -> None:
-        for rec in list(self._sends.values()):
+        """Poll the writes in flight (only theirs: held and waiting sends cost nothing)."""
+        for rec in list(self._writing.values()):
+            pending = False
             for dst in rec.dsts.values():
                 for i, (t, tag) in enumerate(dst.transfers):
                     if tag is None:
                         continue
                     st = t.poll()
-                    if st is Status.FAILED:
+                    if st is Status.PENDING:
+                        pending = True
+                    elif st is Status.FAILED:
                         self._fail_send(rec, "transfer", str(t.error))
                         break
-                    if st is Status.DONE:
+                    else:
                         if not self._notifying:
                             written = wire.Written(
                                 rid=tag.rid,
@@ -292,12 +332,18 @@ class PrefillSide(Core):
                                 src_rank=tag.src_rank,
                                 seq=tag.seq,
                                 total=tag.total,
+                                round=tag.round,
                             )
                             self._to_down(dst.down.ident, written)
                         dst.transfers[i] = (t, None)
+                        if tag.round is not None:  # its source half is free: pack the next
+                            self._round_written(rec, dst, tag.round)
                 if rec.error is not None:
                     break
-            self._check_send(rec)
+            if rec.error is None:
+                if not pending:
+                    del self._writing[rec.rid]
+                self._check_send(rec)
 
     def _check_send(self, rec: SendRec) -> None:
         if rec.error is not None or rec.handle is None or not rec.last or rec.dst_size is None:
@@ -307,6 +353,9 @@ class PrefillSide(Core):
         for dst in rec.dsts.values():
             if not dst.last or any(tag is not None for _, tag in dst.transfers):
                 return
+            if any(c.out.complete < c.out.rounds for c in dst.staged.values()):
+                return
+        self._release_staging(rec)
         self._done(rec.handle, self._sends)
 
     def _fail_send(
@@ -327,6 +376,7 @@ class PrefillSide(Core):
         text = detail if formatted else stage_text(rec.rid, stage, self.where("prefill"), detail)
         error = rec.error = RequestError(text, stage=stage, request_id=rec.rid)
         del self._sends[rec.rid]
+        self._writing.pop(rec.rid, None)
         remember(self._failed, rec.rid, error)
         transfers = [t for dst in rec.dsts.values() for t, _ in dst.transfers]
         for t in transfers:
@@ -336,6 +386,7 @@ class PrefillSide(Core):
                 log.error("%s: %s", self.address, exc)
 
         def settle() -> None:
+            self._release_staging(rec)  # every write of it ended: nothing reads the slices
             for dst in rec.dsts.values():
                 if dst.down is gone or self._downs.get(dst.down.ident) is not dst.down:
                     continue

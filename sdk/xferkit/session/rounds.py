@@ -7,14 +7,47 @@ unpacking round k-1) overlaps the wire copy of round k. The source posts
 round k into half ``k % 2`` of both sides once the round that last used
 those halves has left its own half (its write completed) and been unpacked
 from the destination's half (the destination said so). Both sides cut the
-same rounds from the same plan, chunk and half sizes (``StagedPlan.expand``).
+same rounds from the same plan, chunk and half sizes (``StagedPlan.expand``); the
+chunks of one request share the decode rank's slice, half by half (``Halves``).
 """
 
 from __future__ import annotations
 
-from ..copier import Copier
+import numpy as np
+
+from ..copier import Copier, copier_for
 from ..descriptors import Descriptors
+from ..errors import XferError
+from ..manifest import STAGING_POOL, Manifest, Region
 from ..staging import StagedRequest
+
+
+def copier_of(manifest: Manifest) -> Copier | None:
+    """The local copier for the manifest's memory; None (no staging) where there is none."""
+    kinds = {r.device for r in manifest.regions}
+    try:
+        return copier_for(kinds.pop()) if len(kinds) == 1 else None
+    except XferError:
+        return None
+
+
+class Staging:
+    """A Session's staging buffer and the manifest that advertises it after the engine's regions
+    (so writes into it pass the same bounds checks as any)."""
+
+    def __init__(self, manifest: Manifest, nbytes: int) -> None:
+        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self.manifest = manifest
+        if nbytes:
+            self.buffer[::4096] = 0  # fault it in now rather than on the first request
+            region = Region.from_array(self.buffer, pool=STAGING_POOL, name="staging", layer=0)
+            self.manifest = Manifest(
+                (*manifest.regions, region), manifest.tp_rank, manifest.tp_size, manifest.dropped
+            )
+
+    def slices(self, slice_bytes: int) -> Slices:
+        size = self.buffer.size
+        return Slices(int(self.buffer.ctypes.data) if size else 0, size, slice_bytes if size else 0)
 
 
 class Slices:
@@ -44,14 +77,44 @@ class Slices:
             self._free.append(addr)
 
 
+class Halves:
+    """The two halves of the slice a decode rank offered one source for one request: the
+    chunks of that request take turns, a half at a time, until the decode rank unpacked it."""
+
+    def __init__(self) -> None:
+        self.busy: list[object] = [None, None]
+        self.turn = 0
+
+    def take(self, owner: object) -> int | None:
+        """The next half, now held by ``owner``; None while it is still held."""
+        h = self.turn
+        if self.busy[h] is not None:
+            return None
+        self.busy[h] = owner
+        self.turn ^= 1
+        return h
+
+    def release(self, owner: object) -> None:
+        for h in (0, 1):
+            if self.busy[h] == owner:
+                self.busy[h] = None
+
+
 class Outbound:
     """The source side of one staged chunk to one destination rank."""
 
     def __init__(
-        self, req: StagedRequest, src: int, dst: int, half: int, dst_half: int, copier: Copier
+        self,
+        req: StagedRequest,
+        src: int,
+        dst: int,
+        half: int,
+        dst_half: int,
+        halves: Halves,
+        copier: Copier,
     ) -> None:
         self.req, self.src, self.dst, self.half, self.dst_half = req, src, dst, half, dst_half
-        self.copier = copier
+        self.halves, self.copier = halves, copier
         self.next = 0  # the next round to post
         self.sent: set[int] = set()  # posted, write not yet complete (its source half in use)
         self.unpacking: set[int] = set()  # landed, not yet unpacked (its destination half)
@@ -66,28 +129,37 @@ class Outbound:
         """Every round written and, where the destination stages, unpacked."""
         return self.complete == self.rounds and not self.unpacking
 
-    def ready(self) -> tuple[int, Descriptors] | None:
-        """Pack the next round and return (index, wire copies), when both its halves are free."""
+    def ready(self) -> tuple[int, int, Descriptors] | None:
+        """Pack the next round and return (index, destination half, wire copies), once its
+        source half is free and, where it lands in staging, a destination half is."""
         k = self.next
-        if k >= self.rounds or (k - 2) in self.sent or (k - 2) in self.unpacking:
+        if k >= self.rounds or (k - 2) in self.sent:
             return None
         r = self.req.rounds[k]
-        side = k % 2
-        copies = r.expand(self.src + side * self.half, self.dst + side * self.dst_half)
+        h = 0
+        if r.dst_bytes:
+            got = self.halves.take((self, k))
+            if got is None:
+                return None
+            h = got
+        copies = r.expand(self.src + (k % 2) * self.half, self.dst + h * self.dst_half)
         if len(copies.pack):
             self.copier.copy(copies.pack.src, copies.pack.dst, copies.pack.nbytes)
         self.next += 1
         self.sent.add(k)
         if r.dst_bytes:
             self.unpacking.add(k)
-        return k, copies.wire
+        return k, h, copies.wire
 
     def written(self, k: int) -> None:
-        self.sent.discard(k)
-        self.complete += 1
+        if k in self.sent:
+            self.sent.discard(k)
+            self.complete += 1
 
     def unpacked(self, k: int) -> None:
-        self.unpacking.discard(k)
+        if k in self.unpacking:
+            self.unpacking.discard(k)
+            self.halves.release((self, k))
 
 
 class Inbound:
@@ -97,12 +169,12 @@ class Inbound:
         self.req, self.dst, self.half, self.copier = req, dst, half, copier
         self.done: set[int] = set()
 
-    def landed(self, k: int) -> bool:
-        """Unpack round ``k`` (its bytes are in half ``k % 2``); False for a round out of range
-        or seen before (a buggy or hostile peer): nothing is copied then."""
-        if not 0 <= k < len(self.req.rounds) or k in self.done:
+    def landed(self, k: int, h: int) -> bool:
+        """Unpack round ``k`` from half ``h``; False for a round out of range or seen before
+        (a buggy or hostile peer): nothing is copied then."""
+        if not 0 <= k < len(self.req.rounds) or h not in (0, 1) or k in self.done:
             return False
-        copies = self.req.rounds[k].expand(0, self.dst + (k % 2) * self.half)
+        copies = self.req.rounds[k].expand(0, self.dst + h * self.half)
         if len(copies.unpack):
             self.copier.copy(copies.unpack.src, copies.unpack.dst, copies.unpack.nbytes)
         self.done.add(k)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..backend import Backend
 from ..closing import Closing
+from ..copier import CPU
 from ..errors import XferError
 from ..manifest import Manifest
 from ..transfer import seconds
@@ -33,6 +34,7 @@ from .liveness import Liveness
 from .loop import Loop
 from .prefill import PrefillSide
 from .roster import GROUP, Roster
+from .rounds import Staging, copier_of
 
 __all__ = ["GROUP", "Session", "fingerprint"]
 
@@ -61,6 +63,9 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         group: str | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
+        staging: str = "auto",
+        staging_bytes: int = 64 << 20,
+        staging_slice_bytes: int = 16 << 20,
     ) -> None:
         if not isinstance(backend, Backend):
             raise XferError(f"Session needs a xferkit.Backend, not {backend!r}")
@@ -92,12 +97,38 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
             raise XferError(
                 f"reconnect_max_s ({reconnect_max_s}) is below reconnect_min_s ({reconnect_min_s})"
             )
+        if staging not in ("auto", "always", "never"):
+            raise XferError(f"staging must be 'auto', 'always' or 'never', not {staging!r}")
+        for name, value in (
+            ("staging_bytes", staging_bytes),
+            ("staging_slice_bytes", staging_slice_bytes),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise XferError(f"{name} must be a non-negative int, not {value!r}")
+        if staging != "never" and not 0 < staging_slice_bytes <= staging_bytes:
+            raise XferError(
+                f"staging_slice_bytes ({staging_slice_bytes}) must be within 1..staging_bytes "
+                f"({staging_bytes}); pass staging='never' to stage nothing"
+            )
+        copier = copier_of(manifest) if staging != "never" else None
+        if copier is None:  # nothing to copy with (device memory, for now): direct only
+            staging = "never"
+        self._copier = copier or CPU  # copies nothing while staging is off
+        self._staging = Staging(manifest, staging_bytes if staging != "never" else 0)
+        registered = self._staging.manifest
         if backend.manifest is None:
-            backend.register(manifest)
-        elif backend.manifest != manifest:
+            backend.register(registered)
+        elif backend.manifest == manifest:  # registered by the engine: no room for staging
+            if staging != "never":
+                log.warning("%s: the backend was registered already: staging is off", bind)
+            staging, registered = "never", manifest
+            self._staging = Staging(manifest, 0)
+        else:
             raise XferError("the backend has another manifest registered than the one given")
+        self.staging = staging
+        self._slices = self._staging.slices(staging_slice_bytes)
         self.backend = backend
-        self.manifest = manifest
+        self.manifest = registered
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.incarnation = random.getrandbits(63)
         self.keys = keys
@@ -109,16 +140,19 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         fd = backend.notification_fd() if self._notifying else None
         if fd is not None:  # the driver can wake the loop: completions are seen at once
             self._watch(fd, self._drain_notifications)
+        self._poll_notes = self._notifying and fd is None
         self.address: str = where if keys is None else f"{where}|{keys.public.decode()}"
         """The string a peer passes to ``expect(source=...)``."""
 
+        self._known_pools = frozenset(manifest.pools) | {k[0] for k in manifest.dropped_keys}
         self._lock = threading.Lock()
         self._used: OrderedDict[str, None] = OrderedDict()  # ids given to expect/offer
         self._progress = []
         self._closed = False
         # I/O thread state
         self._ups, self._by_driver, self._backoff, self._downs = {}, {}, {}, {}
-        self._recvs, self._sends, self._drains = {}, {}, []
+        self._recvs, self._sends, self._writing, self._drains = {}, {}, {}, []
+        self._last_write = None
         self._finished, self._early, self._failed = OrderedDict(), OrderedDict(), OrderedDict()
         self._gen = 0
         self._coverage = {}
@@ -219,6 +253,8 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
 
     @staticmethod
     def _check_sources(source: object, call: str) -> tuple[str, ...]:
+        if isinstance(source, str) and source:  # the common case, checked first
+            return (source,)
         raw = (source,) if isinstance(source, str) else source
         sources = tuple(raw) if isinstance(raw, Iterable) else ()
         if not sources or not all(isinstance(s, str) and s for s in sources):
@@ -243,7 +279,7 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         if not isinstance(slots, Mapping) or not slots:
             raise XferError(f"{what}: slots map pool -> slot indices, not {slots!r}")
         pools = self.manifest.pools
-        known = set(pools) | {k[0] for k in self.manifest.dropped_keys}
+        known = self._known_pools
         out: dict[str, np.ndarray] = {}
         for pool, raw in slots.items():
             if pool not in known:
@@ -254,11 +290,18 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
                 arr = np.zeros((0, 0))
             if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
                 raise XferError(f"{what}: pool {pool!r}: slot indices must be 1-D integers")
-            arr = arr.astype(np.int64)
+            arr = arr.astype(np.int64)  # a copy: the engine may reuse its own
             count = pools.get(pool)
-            if arr.size and (arr.min() < 0 or (count is not None and arr.max() >= count)):
+            if arr.size > 1:  # one sort answers range and repeats (a page: no numpy at all)
+                ordered = np.sort(arr)
+                lo, hi = int(ordered[0]), int(ordered[-1])
+                twice = bool((ordered[1:] == ordered[:-1]).any())
+            else:
+                lo = hi = int(arr[0]) if arr.size else 0
+                twice = False
+            if lo < 0 or (count is not None and arr.size and hi >= count):
                 raise XferError(f"{what}: pool {pool!r}: a slot is out of range [0, {count})")
-            if np.unique(arr).size != arr.size:
+            if twice:
                 raise XferError(f"{what}: pool {pool!r}: a slot is named twice")
             out[pool] = arr
         return out

@@ -14,7 +14,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Sent in ``Hello``/``Welcome``; a peer speaking another version is refused at handshake."""
 
 MAX_MESSAGE = 64 << 20
@@ -64,10 +64,18 @@ class Hello(_Introduction, frozen=True, tag="hello"):
 
 class Welcome(_Introduction, frozen=True, tag="welcome"):
     """Prefill -> decode, the reply to ``Hello``; ``error`` (with ``stage``) when the pair cannot
-    work (a PlanError's text, a refused endpoint): both sides then report that same text."""
+    work (a PlanError's text, a refused endpoint): both sides then report that same text.
+
+    ``staging`` ("auto", "always" or "never"), ``descriptor_bytes`` and ``slice_bytes`` (the
+    prefill rank's staging slice) are what the decode rank needs to choose the same routes
+    and cut the same rounds as the prefill rank.
+    """
 
     stage: Stage = ""
     error: Text = ""
+    staging: Stage = "never"
+    descriptor_bytes: U64 = 0
+    slice_bytes: U64 = 0
 
 
 class Request(_Msg, frozen=True, tag="request"):
@@ -85,6 +93,8 @@ class Request(_Msg, frozen=True, tag="request"):
     needed: bool
     slots: Slots
     registration: U64 = 0  # the decode backend's registration generation now (stale check)
+    staging: U64 = 0  # address of the staging slice this source may write rounds into (0: none)
+    staging_bytes: U64 = 0
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -116,6 +126,20 @@ class Fail(_Msg, frozen=True, tag="fail"):
     text: Text
 
 
+Pool = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class Round(msgspec.Struct, frozen=True, array_like=True):
+    """Which staged round a write carries: round ``index`` of chunk ``chunk``, whose slots are
+    ``at[pool] = (first, count)`` of the destination's slots of the request, landed in ``half``
+    of the staging slice the destination offered (when it unpacks)."""
+
+    chunk: Count
+    index: Count
+    at: Annotated[dict[Pool, tuple[Count, Count]], msgspec.Meta(max_length=256)]
+    half: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0  # of the decode rank's slice
+
+
 class Written(_Msg, frozen=True, tag="written"):
     """Prefill -> decode, only for drivers without notifications: write ``seq`` of ``rid``
     landed; ``total`` (> 0) on the last one says how many writes there were."""
@@ -125,6 +149,17 @@ class Written(_Msg, frozen=True, tag="written"):
     src_rank: Rank
     seq: Count
     total: Count
+    round: Round | None = None
+
+
+class Unpacked(_Msg, frozen=True, tag="unpacked"):
+    """Decode -> prefill: round ``index`` of staged chunk ``chunk`` is out of the staging half
+    it landed in, which the next round may now overwrite."""
+
+    rid: RequestId
+    gen: U64
+    chunk: Count
+    index: Count
 
 
 class Ping(_Msg, frozen=True, tag="ping"):
@@ -200,6 +235,7 @@ Message = (
     | AbortAck
     | Fail
     | Written
+    | Unpacked
     | Ping
     | Pong
     | Bye
@@ -223,6 +259,7 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     src_rank: Rank
     seq: Count
     total: Count
+    round: Round | None = None  # set on the write of a staged round
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,263 @@
+"""Staged against direct heterogeneous TP on NHD and HND pages, through Sessions, per driver.
+
+One decode rank (this process) and every prefill rank it needs (one process
+each: one for 4 -> 8, two for 8 -> 4) of a Llama-70B-shaped layer set: 8 KV
+heads of 128, bf16, pages of 64 tokens, ``--layers`` layers of k and v. Each
+request moves ``--tokens`` tokens on random pages into the decode rank; the
+prefill ranks offered and wrote it first, so the time from ``expect`` to DONE
+covers the Request message, expanding, packing, the wire, unpacking and the
+completion. Best of ``--repeat``, the cases alternating so drift hits them
+alike. Staged cases run with ``staging="auto"`` (the cost model picks the
+route from the driver's ``descriptor_bytes``), direct ones with "never".
+
+Also measured per driver: the cost of one wire descriptor (many 64-byte
+descriptors against one large one), as the bytes it could have moved: what
+``Capabilities.descriptor_bytes`` declares.
+
+Prints tables and writes benchmarks/results/staging.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+from report import default_out, save
+
+import xferkit as xk
+from xferkit.session import Session, State
+
+HEADS, DIM, PAGE, BF16 = 8, 128, 64, 2
+DRIVERS: dict[str, dict[str, Any]] = {
+    "loopback": {},
+    "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
+    "nixl": {},
+}
+CASES = [  # (label, src TP, dst TP, layout, staging)
+    ("8 -> 8 NHD", 8, 8, "NHD", "never"),
+    ("4 -> 8 HND", 4, 8, "HND", "never"),
+    ("4 -> 8 NHD direct", 4, 8, "NHD", "never"),
+    ("4 -> 8 NHD staged", 4, 8, "NHD", "auto"),
+    ("8 -> 4 NHD direct", 8, 4, "NHD", "never"),
+    ("8 -> 4 NHD staged", 8, 4, "NHD", "auto"),
+]
+
+
+def manifest(
+    layout: str, tp: int, rank: int, layers: int, pages: int
+) -> tuple[xk.Manifest, list[np.ndarray]]:
+    """One rank's k and v pages (random bytes: correctness is the tests' job)."""
+    heads = HEADS // tp
+    shape, axis = ((PAGE, heads, DIM), 1) if layout == "NHD" else ((heads, PAGE, DIM), 0)
+    rng = np.random.default_rng(rank)
+    arrays, regions = [], []
+    for layer in range(layers):
+        for name in "kv":
+            a = rng.integers(0, 256, (pages, *shape[:-1], DIM * BF16), dtype=np.uint8)
+            arrays.append(a)
+            regions.append(
+                xk.Region(
+                    pool="kv",
+                    name=name,
+                    layer=layer,
+                    addr=a.ctypes.data,
+                    nbytes=a.nbytes,
+                    slot_shape=shape,
+                    itemsize=BF16,
+                    tp_axis=axis,
+                )
+            )
+    return xk.Manifest.build(regions, tp_rank=rank, tp_size=tp), arrays
+
+
+def prefill(conn: Connection) -> None:
+    """A prefill rank: offers and writes every request it is told of (for decode rank 0, the
+    only one there is: the sends stay open for the others until reaped)."""
+    logging.basicConfig(level=logging.ERROR)
+    driver, layout, tp, rank, layers, pages, session = conn.recv()
+    m, arrays = manifest(layout, tp, rank, layers, pages)
+    s = Session(xk.open_backend(driver, **DRIVERS[driver]), m, **session)
+    conn.send(s.address)
+    sends = []
+    while (cmd := conn.recv())[0] != "quit":
+        if cmd[0] == "offer":
+            _, rid, src = cmd
+            send = s.offer(rid)
+            send.write({"kv": src}, last=True)
+            sends.append(send)
+            conn.send(True)
+        elif cmd[0] == "reap":  # the other decode ranks never ask: end what they would read
+            for send in sends:
+                send.abort(60)
+            sends.clear()
+            s.progress()
+            conn.send(True)
+    s.close()
+    del arrays
+
+
+class Case:
+    """Decode rank 0 here, the prefill ranks it needs in child processes."""
+
+    def __init__(self, driver: str, case: tuple, a: Any) -> None:
+        _, src_tp, dst_tp, layout, staging = case
+        pages = a.tokens // PAGE
+        session = {"staging": staging, "staging_bytes": a.staging, "staging_slice_bytes": a.slice}
+        self.m, self.arrays = manifest(layout, dst_tp, 0, a.layers, 2 * pages)
+        self.session = Session(xk.open_backend(driver, **DRIVERS[driver]), self.m, **session)
+        needed = max(1, src_tp // dst_tp)  # decode rank 0 reads prefill ranks 0..needed-1
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs, self.sources = [], [], []
+        for rank in range(needed):
+            conn, child = ctx.Pipe()
+            p = ctx.Process(target=prefill, args=(child,), daemon=True)
+            p.start()
+            conn.send((driver, layout, src_tp, rank, a.layers, 2 * pages, session))
+            self.conns.append(conn)
+            self.procs.append(p)
+        self.sources = [c.recv() for c in self.conns]
+        self.pages = pages
+        self.bytes = a.layers * 2 * pages * PAGE * (HEADS // dst_tp) * DIM * BF16
+        self.rng = np.random.default_rng(7)
+        self.n = 0
+
+    def run(self) -> float:
+        """One request, expect -> DONE, the prefill ranks having offered and written first."""
+        rid = f"r{self.n}"
+        self.n += 1
+        src = self.rng.permutation(2 * self.pages)[: self.pages].tolist()
+        dst = self.rng.permutation(2 * self.pages)[: self.pages].tolist()
+        for c in self.conns:
+            c.send(("offer", rid, src))
+        for c in self.conns:
+            c.recv()
+        t = time.perf_counter()
+        state = self.session.expect(rid, self.sources, {"kv": dst}).wait(600)
+        took = time.perf_counter() - t
+        assert state is State.DONE
+        for c in self.conns:
+            c.send(("reap",))
+        for c in self.conns:
+            c.recv()
+        self.session.progress()
+        return took
+
+    def routes(self) -> list[str]:
+        return sorted(
+            {
+                r.path
+                for u in self.session._ups.values()
+                if u.staged
+                for r in u.staged.routes.values()
+            }
+            or {"direct"}
+        )
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(("quit",))
+        for p in self.procs:
+            p.join(30)
+        self.session.close()
+
+
+def descriptor_cost(driver: str) -> dict[str, Any]:
+    """Seconds per 64-byte descriptor and bytes/s of one large one: their product."""
+    big, small, n = 64 << 20, 64, 16384
+    src, dst = np.ones(big, dtype=np.uint8), np.zeros(big, dtype=np.uint8)
+    a, b = xk.open_backend(driver, **DRIVERS[driver]), xk.open_backend(driver, **DRIVERS[driver])
+    try:
+        a.register(xk.Manifest.build([xk.Region.from_array(src, pool="p", name="s", layer=0)]))
+        dm = xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="d", layer=0)])
+        b.register(dm)
+        peer = a.connect(b.endpoint(), dm)
+        s0, d0 = np.uint64(src.ctypes.data), np.uint64(dst.ctypes.data)
+        step = np.arange(n, dtype=np.uint64) * np.uint64(4096)  # one per page: nothing merges
+        many = xk.Descriptors(s0 + step, d0 + step[::-1], np.full(n, small, np.uint64))
+        one = xk.Descriptors(np.array([s0]), np.array([d0]), np.array([big], np.uint64))
+        t_many, t_one = [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            a.write(peer, many).wait(600)
+            t_many.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            a.write(peer, one).wait(600)
+            t_one.append(time.perf_counter() - t)
+    finally:
+        a.close()
+        b.close()
+    per_desc = min(t_many) / n
+    bw = big / min(t_one)
+    return {
+        "driver": driver,
+        "us_per_descriptor": per_desc * 1e6,
+        "gbps_large": bw / 1e9,
+        "descriptor_bytes": int(per_desc * bw),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--staging", type=int, default=64 << 20, help="bytes per Session")
+    parser.add_argument("--slice", type=int, default=16 << 20, help="bytes per slice")
+    parser.add_argument("--drivers", default=",".join(DRIVERS))
+    parser.add_argument("--out", default=default_out("staging"))
+    a = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    drivers = a.drivers.split(",")
+    costs = [descriptor_cost(d) for d in drivers]
+    print(f"{'driver':<10}{'us/desc':>9}{'GB/s large':>12}{'descriptor_bytes':>18}")
+    for c in costs:
+        print(
+            f"{c['driver']:<10}{c['us_per_descriptor']:>9.2f}{c['gbps_large']:>12.2f}"
+            f"{c['descriptor_bytes']:>18}"
+        )
+    rows = []
+    for driver in drivers:
+        cases = [Case(driver, c, a) for c in CASES]
+        try:
+            for case in cases:
+                case.run()  # warm: handshakes, plans, routes
+            runs: list[list[float]] = [[] for _ in cases]
+            for _ in range(a.repeat):
+                for i, case in enumerate(cases):
+                    runs[i].append(case.run())
+            routes = [case.routes() for case in cases]
+        finally:
+            for case in cases:
+                case.close()
+        equal = cases[0].bytes / min(runs[0])
+        for case, (label, *_), rs, rt in zip(cases, CASES, runs, routes, strict=True):
+            gbps = case.bytes / min(rs)
+            rows.append(
+                {
+                    "driver": driver,
+                    "case": label,
+                    "bytes": case.bytes,
+                    "seconds": rs,
+                    "median_s": statistics.median(rs),
+                    "gbps": gbps / 1e9,
+                    "vs_equal": gbps / equal,
+                    "routes": rt,
+                }
+            )
+    print(f"\n{'driver':<10}{'case':<20}{'GB/s':>7}{'/ 8->8':>8}  route")
+    for r in rows:
+        print(
+            f"{r['driver']:<10}{r['case']:<20}{r['gbps']:>7.2f}{r['vs_equal']:>8.2f}"
+            f"  {','.join(r['routes'])}"
+        )
+    save(a.out, rows, costs=costs, layers=a.layers, tokens=a.tokens, staging=a.staging)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Staged requests through Sessions (in one process, loopback): routes, rounds, staging returned.
+
+The cross-process, every-driver runs are in test_session_e2e.py (its "staged"
+clusters); here the Session's own state is in reach: which routes a pair
+chose, that a request many times the staging runs in rounds within it, and
+that every slice comes back after a request ends in any state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import xferkit as xk
+from xferkit.session import RequestError, Session, State
+from xferkit.testing import Reference, RegionSpec
+
+HEADS, DIM, PAGE, PAGES = 8, 32, 16, 48
+
+
+def _specs() -> list[RegionSpec]:  # NHD pages of a GQA layer set: strided under hetero TP
+    return [
+        RegionSpec(pool="kv", name=n, layer=layer, shape=(PAGE, HEADS, DIM), tp_axis=1)
+        for layer in range(4)
+        for n in "kv"
+    ]
+
+
+class Ranks:
+    def __init__(self, src_tp: int, dst_tp: int, **session: object) -> None:
+        slots = {"kv": PAGES}
+        self.ref = Reference(
+            _specs(), src_tp=src_tp, dst_tp=dst_tp, src_slots=slots, dst_slots=slots
+        )
+        self.pre = [self._session(r.manifest, session) for r in self.ref.srcs]
+        self.dec = [self._session(r.manifest, session) for r in self.ref.dsts]
+        self.sources = [p.address for p in self.pre]
+
+    @staticmethod
+    def _session(m: xk.Manifest, options: dict[str, object]) -> Session:
+        return Session(xk.open_backend("loopback"), m, **options)  # type: ignore[arg-type]
+
+    def run(self, rid: str, src: list[int], dst: list[int], chunks: int = 1) -> list[State]:
+        recvs = [d.expect(rid, self.sources, {"kv": dst}) for d in self.dec]
+        sends = [p.offer(rid) for p in self.pre]
+        parts = np.array_split(np.asarray(src), chunks)
+        for i, part in enumerate(parts):
+            for s in sends:
+                s.write({"kv": part}, last=i == len(parts) - 1)
+        return [h.wait(20) for h in recvs + sends]
+
+    def free_slices(self) -> list[int]:
+        return [len(s._slices._free) for s in self.pre + self.dec]
+
+    def close(self) -> None:
+        for s in self.pre + self.dec:
+            s.close()
+
+
+@pytest.fixture(params=[(4, 8), (8, 4)], ids=["tp4to8", "tp8to4"])
+def ranks(request: pytest.FixtureRequest) -> Iterator[Ranks]:
+    # slices of 8 KiB: a half holds two heads' worth of one page (4 KiB), so a request of
+    # 12 pages runs in many rounds
+    r = Ranks(*request.param, staging="auto", staging_bytes=1 << 15, staging_slice_bytes=1 << 13)
+    yield r
+    r.close()
+
+
+def test_the_cost_model_stages_nhd_heterogeneous_tp_and_bytes_are_exact(ranks: Ranks) -> None:
+    src, dst = list(range(12)), [47 - 3 * i for i in range(12)]
+    assert set(ranks.run("r", src, dst, chunks=3)) == {State.DONE}
+    for i in range(len(ranks.dec)):
+        ranks.ref.check(i, {"kv": (src, dst)})
+    routes = {
+        route.path
+        for p in ranks.pre
+        for down in p._downs.values()
+        if down.staged is not None
+        for route in down.staged.routes.values()
+    }
+    assert routes and routes <= {"pack", "unpack", "both"}, routes
+    assert ranks.free_slices() == [4] * len(ranks.free_slices())  # every slice came back
+
+
+def test_more_requests_than_slices_all_complete_and_return_their_staging(ranks: Ranks) -> None:
+    for n in range(10):  # each takes a slice per chunk on each side: more than the 4 there are
+        assert set(ranks.run(f"r{n}", [n, n + 1], [2 * n, 2 * n + 1])) == {State.DONE}
+    assert ranks.free_slices() == [4] * len(ranks.free_slices())
+
+
+def test_an_aborted_staged_request_returns_its_staging_and_writes_nothing_after(
+    ranks: Ranks,
+) -> None:
+    recvs = [d.expect("gone", ranks.sources, {"kv": list(range(20, 44))}) for d in ranks.dec]
+    recvs[0].abort(10)
+    assert recvs[0].poll() is State.FAILED
+    sends = [p.offer("gone") for p in ranks.pre]
+    for s in sends:
+        s.write({"kv": list(range(24))}, last=True)
+    for h in recvs + sends:
+        with pytest.raises(RequestError) as info:
+            h.wait(10)
+        assert info.value.stage == "abort" and str(info.value) == str(recvs[0].error)
+    for d in ranks.ref.dsts:  # the engine reuses the slots at once
+        for a in d.arrays.values():
+            a[20:44] = 0x5A
+    assert set(ranks.run("after", [0], [0])) == {State.DONE}  # the pair still works
+    for d in ranks.ref.dsts:
+        for a in d.arrays.values():
+            assert (a[20:44] == 0x5A).all()  # no late round or unpack landed
+    assert ranks.free_slices() == [4] * len(ranks.free_slices())
+
+
+def test_staging_never_keeps_every_pair_direct() -> None:
+    r = Ranks(4, 8, staging="never")
+    try:
+        assert set(r.run("r", [1, 2], [3, 4])) == {State.DONE}
+        assert all(d.staged is None for p in r.pre for d in p._downs.values())
+        assert r.free_slices() == [0] * len(r.free_slices())
+        for i in range(len(r.dec)):
+            r.ref.check(i, {"kv": ([1, 2], [3, 4])})
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"staging": "sometimes"}, "staging must be"),
+        ({"staging_bytes": -1}, "staging_bytes"),
+        ({"staging_slice_bytes": 2.5}, "staging_slice_bytes"),
+        ({"staging_bytes": 100, "staging_slice_bytes": 200}, "within 1..staging_bytes"),
+    ],
+)
+def test_bad_staging_options_name_themselves(kwargs: dict, match: str) -> None:
+    ref = Reference(_specs(), src_tp=1, dst_tp=1, src_slots={"kv": 2}, dst_slots={"kv": 2})
+    with pytest.raises(xk.XferError, match=match):
+        Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **kwargs)
