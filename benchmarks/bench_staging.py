@@ -12,7 +12,8 @@ route from the driver's ``descriptor_bytes``), direct ones with "never".
 
 Also measured per driver: the cost of one wire descriptor (many 64-byte
 descriptors against one large one), as the bytes it could have moved: what
-``Capabilities.descriptor_bytes`` declares.
+``Capabilities.descriptor_bytes`` declares; and the large-copy bandwidth over
+the copier's (packing every other 256-byte row): ``Capabilities.copy_cost``.
 
 Prints tables and writes benchmarks/results/staging.json.
 """
@@ -31,6 +32,7 @@ import numpy as np
 from report import default_out, save
 
 import xferkit as xk
+from xferkit.copier import copy_pieces
 from xferkit.session import Session, State
 
 HEADS, DIM, PAGE, BF16 = 8, 128, 64, 2
@@ -194,11 +196,26 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
         b.close()
     per_desc = min(t_many) / n
     bw = big / min(t_one)
+    # The copier packing the NHD 4 -> 8 shape: every other 256-byte row into contiguous memory.
+    rows = np.arange(big // 512, dtype=np.uint64)
+    pack = (
+        s0 + rows * np.uint64(512),
+        d0 + rows * np.uint64(256),
+        np.full(rows.size, 256, np.uint64),
+    )
+    t_copy = []
+    for _ in range(5):
+        t = time.perf_counter()
+        copy_pieces(*pack)
+        t_copy.append(time.perf_counter() - t)
+    copy_bw = big / 2 / min(t_copy)
     return {
         "driver": driver,
         "us_per_descriptor": per_desc * 1e6,
         "gbps_large": bw / 1e9,
         "descriptor_bytes": int(per_desc * bw),
+        "copier_gbps": copy_bw / 1e9,
+        "copy_cost": bw / copy_bw,
     }
 
 
@@ -215,11 +232,14 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     drivers = a.drivers.split(",")
     costs = [descriptor_cost(d) for d in drivers]
-    print(f"{'driver':<10}{'us/desc':>9}{'GB/s large':>12}{'descriptor_bytes':>18}")
+    print(
+        f"{'driver':<10}{'us/desc':>9}{'GB/s large':>12}{'descriptor_bytes':>18}"
+        f"{'copier GB/s':>13}{'copy_cost':>11}"
+    )
     for c in costs:
         print(
             f"{c['driver']:<10}{c['us_per_descriptor']:>9.2f}{c['gbps_large']:>12.2f}"
-            f"{c['descriptor_bytes']:>18}"
+            f"{c['descriptor_bytes']:>18}{c['copier_gbps']:>13.2f}{c['copy_cost']:>11.2f}"
         )
     rows = []
     for driver in drivers:

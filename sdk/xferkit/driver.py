@@ -49,6 +49,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     descriptor_bytes: int = 4096
     """What one wire descriptor costs, in bytes the driver could have moved in its place
     (per-descriptor time x bandwidth): staged routes trade descriptors for local copies."""
+    copy_cost: float = 1.0
+    """What one byte copied locally (packing, unpacking) costs, in bytes on this driver's wire:
+    its large-copy bandwidth over the local copier's (above 1 where the wire is faster)."""
 
     def __post_init__(self) -> None:
         from .errors import OptionError
@@ -62,6 +65,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
         if type(self.descriptor_bytes) is not int or self.descriptor_bytes < 0:
             raise OptionError(
                 f"capabilities: descriptor_bytes must be an int >= 0, not {self.descriptor_bytes!r}"
+            )
+        if type(self.copy_cost) not in (int, float) or not 0 < self.copy_cost < 1e6:
+            raise OptionError(
+                f"capabilities: copy_cost must be a number in (0, 1e6), not {self.copy_cost!r}"
             )
         for field in ("notifications", "cross_process"):
             if type(getattr(self, field)) is not bool:

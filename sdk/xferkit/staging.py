@@ -40,8 +40,8 @@ FORCE: dict[str, Force] = {"auto": None, "always": "staged"}
 """A Session's ``staging`` setting as ``stage``'s ``force`` ("never" stages nothing)."""
 
 COPY_COST = 1.0
-"""Wire-byte equivalents one locally copied byte costs: a local copy runs at memory bandwidth,
-which no wire beats, so counting it as a wire byte is the conservative side."""
+"""Default wire-byte equivalents of one locally copied byte (``Capabilities.copy_cost``): the
+driver's large-copy bandwidth over the local copier's."""
 
 
 class Route(NamedTuple):
@@ -73,14 +73,16 @@ def _contiguous(start: np.ndarray, nbytes: np.ndarray) -> bool:
     return bool(np.all(start[:-1] + nbytes[:-1] == start[1:]))
 
 
-def _choose(g: _Group, descriptor_bytes: int, force: Force) -> tuple[Route, Pieces]:
+def _choose(
+    g: _Group, descriptor_bytes: int, copy_cost: float, force: Force
+) -> tuple[Route, Pieces]:
     p = g.pieces
     count, unit = p.src.size, int(p.nbytes.sum())
     by_src = np.argsort(p.src, kind="stable")
     src_order = Pieces(p.src[by_src], p.dst[by_src], p.nbytes[by_src])
     dst_contig = _contiguous(p.dst, p.nbytes)
     src_contig = _contiguous(src_order.src, src_order.nbytes)
-    copy = COPY_COST * unit
+    copy = copy_cost * unit
     costs: dict[Path, float] = {"direct": count * descriptor_bytes, "both": 2 * copy}
     if dst_contig:
         costs["pack"] = descriptor_bytes + copy
@@ -99,7 +101,8 @@ def _choose(g: _Group, descriptor_bytes: int, force: Force) -> tuple[Route, Piec
             f"(source {'contiguous' if src_contig else 'strided'}, "
             f"destination {'contiguous' if dst_contig else 'strided'}); cost per slot "
             + ", ".join(f"{q} {costs[q]:.0f}" for q in PATHS if q in costs)
-            + f" byte-equivalents at {descriptor_bytes} per wire descriptor"
+            + f" byte-equivalents at {descriptor_bytes} per wire descriptor and "
+            f"{copy_cost:g} per copied byte"
         )
         why = ("forced staged: " if force == "staged" else "") + shape
     return Route(path, why), src_order if path == "unpack" else p
@@ -331,11 +334,14 @@ def _join(d: Descriptors) -> Descriptors:
     return Descriptors(d.src[idx], d.dst[idx], np.add.reduceat(d.nbytes, idx).astype(np.uint64))
 
 
-def stage(plan: Plan, *, descriptor_bytes: int, force: Force = None) -> StagedPlan:
+def stage(
+    plan: Plan, *, descriptor_bytes: int, copy_cost: float = COPY_COST, force: Force = None
+) -> StagedPlan:
     """Choose each region group's route: the cheapest in wire-byte equivalents.
 
     ``descriptor_bytes`` is what one wire descriptor costs the driver, in bytes
-    it could have moved instead (``Capabilities.descriptor_bytes``). ``force``
+    it could have moved instead (``Capabilities.descriptor_bytes``); ``copy_cost`` what a
+    locally copied byte costs in wire bytes (``Capabilities.copy_cost``). ``force``
     pins a path for every group (``"staged"``: the cheapest one that is not
     direct; a path a group's pieces cannot take falls back to ``"both"``).
     """
@@ -343,11 +349,13 @@ def stage(plan: Plan, *, descriptor_bytes: int, force: Force = None) -> StagedPl
         raise PlanError(f"stage(plan, ...) takes a Plan, not {plan!r}")
     if type(descriptor_bytes) is not int or descriptor_bytes < 0:
         raise PlanError(f"descriptor_bytes must be an int >= 0, not {descriptor_bytes!r}")
+    if type(copy_cost) not in (int, float) or not 0 < copy_cost < 1e6:
+        raise PlanError(f"copy_cost must be a number in (0, 1e6), not {copy_cost!r}")
     if force is not None and force not in (*PATHS, "staged"):
         raise PlanError(f"force must be None, 'staged' or one of {PATHS}, not {force!r}")
     groups, routes = [], {}
     for g in plan._groups:
-        route, pieces = _choose(g, descriptor_bytes, force)
+        route, pieces = _choose(g, descriptor_bytes, float(copy_cost), force)
         groups.append(
             _Staged(g, route.path, int(pieces.nbytes.sum()), pieces, _offsets(pieces.nbytes))
         )

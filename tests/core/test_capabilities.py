@@ -23,6 +23,8 @@ from xferkit.testing.mock import MockDriver
         ({"cross_process": "yes"}, "cross_process"),
         ({"descriptor_bytes": -1}, "descriptor_bytes"),
         ({"descriptor_bytes": 1e4}, "descriptor_bytes"),
+        ({"copy_cost": 0.0}, "copy_cost"),
+        ({"copy_cost": "2"}, "copy_cost"),
     ],
 )
 def test_invalid_capabilities_are_option_errors(fields: dict[str, Any], text: str) -> None:

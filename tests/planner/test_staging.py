@@ -133,6 +133,8 @@ def test_staging_smaller_than_one_slot_names_the_region() -> None:
         ({"descriptor_bytes": -1}, "descriptor_bytes"),
         ({"descriptor_bytes": 1.5}, "descriptor_bytes"),
         ({"descriptor_bytes": 1, "force": "sideways"}, "force"),
+        ({"descriptor_bytes": 1, "copy_cost": 0}, "copy_cost"),
+        ({"descriptor_bytes": 1, "copy_cost": "1"}, "copy_cost"),
     ],
 )
 def test_stage_refuses_bad_arguments(kwargs: dict, match: str) -> None:
@@ -152,3 +154,16 @@ def test_expand_refuses_bad_capacities_and_requests() -> None:
         p.expand(None, src_capacity=1, dst_capacity=1)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="unknown pool"):
         p.expand({"nope": ([0], [0])}, src_capacity=1 << 20, dst_capacity=1 << 20)
+
+
+def test_a_costly_local_copy_prefers_one_copy_and_a_cheap_one_two() -> None:
+    """With copies dearer than the wire (NIXL on host memory) 4 -> 8 NHD packs on the source
+    alone; with copies cheaper than a descriptor's worth (Mooncake over TCP) it stages both."""
+    ref = _ref("NHD", 4, 8)
+    p = plan(ref.srcs[0].manifest, ref.dsts[0].manifest)
+    unit = PAGE * DIM * 2
+    dear = stage(p, descriptor_bytes=unit, copy_cost=2.4).routes
+    cheap = stage(p, descriptor_bytes=4 * unit, copy_cost=0.4).routes
+    assert {r.path for r in dear.values()} == {"pack"}
+    assert {r.path for r in cheap.values()} == {"both"}
+    assert "2.4 per copied byte" in next(iter(dear.values())).why

@@ -125,7 +125,10 @@ class DecodeSide(Core):
             if u.welcome.staging in FORCE and u.staged is None:
                 force = FORCE[u.welcome.staging]
                 u.staged = stage(
-                    cov.plans[i], descriptor_bytes=u.welcome.descriptor_bytes, force=force
+                    cov.plans[i],
+                    descriptor_bytes=u.welcome.descriptor_bytes,
+                    copy_cost=u.welcome.copy_cost,
+                    force=force,
                 )
             if u.staged is not None and u.staged.unpacks(rec.slots):
                 src.slice = self._slices.take() or 0  # none free: this source writes direct

@@ -219,8 +219,13 @@ class Handshake(Core):
                 down.manifest = Manifest.decode(msg.manifest)
                 down.plan = plan(self.manifest, down.manifest)
                 if self.staging in FORCE:
-                    cost = self.backend.capabilities.descriptor_bytes
-                    down.staged = stage(down.plan, descriptor_bytes=cost, force=FORCE[self.staging])
+                    caps = self.backend.capabilities
+                    down.staged = stage(
+                        down.plan,
+                        descriptor_bytes=caps.descriptor_bytes,
+                        copy_cost=caps.copy_cost,
+                        force=FORCE[self.staging],
+                    )
                 down.peer = self.backend.connect(msg.endpoint, down.manifest)
             except PlanError as exc:
                 down.error = (
@@ -238,6 +243,7 @@ class Handshake(Core):
         reply.update(
             staging=self.staging,
             descriptor_bytes=self.backend.capabilities.descriptor_bytes,
+            copy_cost=self.backend.capabilities.copy_cost,
             slice_bytes=self._slices.slice_bytes,
         )
         self._downs[ident] = down

@@ -66,7 +66,8 @@ class Welcome(_Introduction, frozen=True, tag="welcome"):
     """Prefill -> decode, the reply to ``Hello``; ``error`` (with ``stage``) when the pair cannot
     work (a PlanError's text, a refused endpoint): both sides then report that same text.
 
-    ``staging`` ("auto", "always" or "never"), ``descriptor_bytes`` and ``slice_bytes`` (the
+    ``staging`` ("auto", "always" or "never"), ``descriptor_bytes``, ``copy_cost`` and
+    ``slice_bytes`` (the
     prefill rank's staging slice) are what the decode rank needs to choose the same routes
     and cut the same rounds as the prefill rank.
     """
@@ -75,6 +76,7 @@ class Welcome(_Introduction, frozen=True, tag="welcome"):
     error: Text = ""
     staging: Stage = "never"
     descriptor_bytes: U64 = 0
+    copy_cost: Annotated[float, msgspec.Meta(gt=0, lt=1e6)] = 1.0
     slice_bytes: U64 = 0
 
 
