@@ -13,7 +13,7 @@ route from the driver's ``descriptor_bytes``), direct ones with "never".
 Also measured per driver: the cost of one wire descriptor (many 64-byte
 descriptors against one large one), as the bytes it could have moved: what
 ``Capabilities.descriptor_bytes`` declares; and the large-copy bandwidth over
-the copier's (packing every other 256-byte row): ``Capabilities.copy_cost``.
+the copier's (packing one head of each row of pages in random order): ``Capabilities.copy_cost``.
 
 Prints tables and writes benchmarks/results/staging.json.
 """
@@ -196,13 +196,12 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
         b.close()
     per_desc = min(t_many) / n
     bw = big / min(t_one)
-    # The copier packing the NHD 4 -> 8 shape: every other 256-byte row into contiguous memory.
-    rows = np.arange(big // 512, dtype=np.uint64)
-    pack = (
-        s0 + rows * np.uint64(512),
-        d0 + rows * np.uint64(256),
-        np.full(rows.size, 256, np.uint64),
-    )
+    # The copier packing what a 4 -> 8 NHD request packs: of each page (64 rows of two heads,
+    # 512 bytes a row) the first head's 256 bytes, pages in random order.
+    pages = np.random.default_rng(0).permutation(big // (64 * 512)).astype(np.uint64)
+    rows = (pages[:, None] * np.uint64(64) + np.arange(64, dtype=np.uint64)[None, :]).ravel()
+    out = np.arange(rows.size, dtype=np.uint64) * np.uint64(256)
+    pack = (s0 + rows * np.uint64(512), d0 + out, np.full(rows.size, 256, np.uint64))
     t_copy = []
     for _ in range(5):
         t = time.perf_counter()

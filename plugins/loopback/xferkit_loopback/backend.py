@@ -39,8 +39,8 @@ _LIVE: weakref.WeakValueDictionary[str, LoopbackDriver] = weakref.WeakValueDicti
 
 DESCRIPTOR_BYTES = 1024
 """A descriptor costs about 0.1 us at 12 GB/s in one process (benchmarks/bench_staging.py)."""
-COPY_COST = 2.5
-"""Its large copies run at 2.5x the copier's strided pack (benchmarks/bench_staging.py)."""
+COPY_COST = 2.0
+"""Its large copies run at 2x the copier's strided pack (benchmarks/bench_staging.py)."""
 
 
 class LoopbackDriver(Driver):

@@ -42,8 +42,8 @@ LANE_JOIN_S = 5.0
 DESCRIPTOR_BYTES = 60_000
 """About 28 us per descriptor at 2.1 GB/s over TCP (benchmarks/bench_staging.py); RDMA is
 unmeasured here."""
-COPY_COST = 0.4
-"""TCP moves large copies at 0.4x the copier's strided pack (benchmarks/bench_staging.py)."""
+COPY_COST = 0.33
+"""TCP moves large copies at a third of the copier's strided pack (benchmarks/bench_staging.py)."""
 
 
 class _Blob(msgspec.Struct, frozen=True):
