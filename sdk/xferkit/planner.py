@@ -149,6 +149,8 @@ class Plan:
                 f"pool {pool!r}: {src.size} source slots but {dst.size} destination slots",
                 subject=pool,
             )
+        if dst.size <= 1:  # one slot (a decode step's page): nothing to order or join
+            return src, dst, _NO_RUNS
         order = np.argsort(dst, kind="stable")
         src, dst = src[order], dst[order]
         same = np.flatnonzero(dst[1:] == dst[:-1])
@@ -165,6 +167,8 @@ class Plan:
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _EMPTY.setflags(write=False)
 _NO_PIECES = Pieces(_EMPTY, _EMPTY, _EMPTY)
+_NO_RUNS = np.zeros(0, dtype=bool)
+_NO_RUNS.setflags(write=False)
 
 
 def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray:
@@ -177,7 +181,7 @@ def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray
             subject=pool,
         )
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        lo, hi = (int(arr[0]),) * 2 if arr.size == 1 else (int(arr.min()), int(arr.max()))
         if lo < 0 or (count is not None and hi >= count):
             bad = lo if lo < 0 else hi
             raise PlanError(
@@ -185,6 +189,9 @@ def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray
             )
     return arr.astype(np.uint64, copy=False)
 
+
+_FIRST = np.zeros(1, dtype=np.intp)
+_FIRST.setflags(write=False)
 
 Fill = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 """Writes a group's descriptors into (src, dst, nbytes) slices of the request's final arrays."""
@@ -199,8 +206,11 @@ def _expand_group(
         return 0, lambda *out: None
     if g.whole:
         # Runs of consecutive slots become one descriptor per region.
-        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-        lengths = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(g.src_stride)
+        if n == 1:
+            starts, lengths = _FIRST, np.full(1, g.src_stride, dtype=np.uint64)
+        else:
+            starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+            lengths = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(g.src_stride)
         s_off = src[starts] * np.uint64(g.src_stride) + g.pieces.src[0]
         d_off = dst[starts] * np.uint64(g.dst_stride) + g.pieces.dst[0]
 
