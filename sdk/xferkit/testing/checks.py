@@ -151,10 +151,7 @@ def handoff(ref: Reference, request: Request, write: Writer = _copy) -> dict[int
             counts[di][si] = len(descs)
         assert moved == requested_bytes(ref, di, wanted)
         ref.check(di, wanted)
-    assert counter.max <= 1, f"a destination byte was written {counter.max} times"
-    for rank, snap in zip(ref.srcs, before, strict=True):
-        for key, array in rank.arrays.items():
-            assert np.array_equal(array, snap[key]), f"source region {key} changed"
+    _written_once_sources_kept(counter, ref, before)
     return counts
 
 
@@ -209,11 +206,15 @@ def staged_handoff(
                 wires += len(copies.wire)
             counts[di][si] = wires
         ref.check(di, wanted)
+    _written_once_sources_kept(counter, ref, before)
+    return counts
+
+
+def _written_once_sources_kept(counter: WriteCounter, ref: Reference, before: list) -> None:
     assert counter.max <= 1, f"a destination byte was written {counter.max} times"
     for rank, snap in zip(ref.srcs, before, strict=True):
         for key, array in rank.arrays.items():
             assert np.array_equal(array, snap[key]), f"source region {key} changed"
-    return counts
 
 
 def _select(d: Descriptors, keep: np.ndarray) -> Descriptors:
