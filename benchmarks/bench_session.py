@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from report import default_out, save
+from report import default_out, kv_manifest, save
 
 import xferkit as xk
 from xferkit.session import Session, SessionKeys, State
@@ -51,25 +51,9 @@ DRIVERS = {
 
 
 def manifest(pool_pages: int, seed: int) -> tuple[xk.Manifest, list[np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    arrays, regions = [], []
-    for layer in range(LAYERS):
-        for name in ("k", "v"):
-            a = rng.integers(0, 256, (pool_pages, PAGE, 1, HEAD_DIM * BF16), dtype=np.uint8)
-            arrays.append(a)
-            regions.append(
-                xk.Region(
-                    pool="kv",
-                    name=name,
-                    layer=layer,
-                    addr=a.ctypes.data,
-                    nbytes=a.nbytes,
-                    slot_shape=(PAGE, 1, HEAD_DIM),
-                    itemsize=BF16,
-                    tp_axis=1,
-                )
-            )
-    return xk.Manifest.build(regions, tp_rank=0, tp_size=1), arrays
+    """One KV head per rank (the heads of TP 8), as a TP-1 rank: one pair, equal layouts."""
+    m, arrays = kv_manifest("NHD", 8, 0, LAYERS, pool_pages, seed)
+    return xk.Manifest.build(m.regions, tp_rank=0, tp_size=1), arrays
 
 
 def _keys(spec: tuple[bytes, bytes] | None) -> SessionKeys | None:

@@ -29,13 +29,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from report import default_out, save
+from report import BF16, HEADS, PAGE, default_out, kv_manifest, save
 
 import xferkit as xk
 from xferkit.copier import copy_pieces
 from xferkit.session import Session, State
 
-HEADS, DIM, PAGE, BF16 = 8, 128, 64, 2
+DIM = 128
 DRIVERS: dict[str, dict[str, Any]] = {
     "loopback": {},
     "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
@@ -54,28 +54,7 @@ CASES = [  # (label, src TP, dst TP, layout, staging)
 def manifest(
     layout: str, tp: int, rank: int, layers: int, pages: int
 ) -> tuple[xk.Manifest, list[np.ndarray]]:
-    """One rank's k and v pages (random bytes: correctness is the tests' job)."""
-    heads = HEADS // tp
-    shape, axis = ((PAGE, heads, DIM), 1) if layout == "NHD" else ((heads, PAGE, DIM), 0)
-    rng = np.random.default_rng(rank)
-    arrays, regions = [], []
-    for layer in range(layers):
-        for name in "kv":
-            a = rng.integers(0, 256, (pages, *shape[:-1], DIM * BF16), dtype=np.uint8)
-            arrays.append(a)
-            regions.append(
-                xk.Region(
-                    pool="kv",
-                    name=name,
-                    layer=layer,
-                    addr=a.ctypes.data,
-                    nbytes=a.nbytes,
-                    slot_shape=shape,
-                    itemsize=BF16,
-                    tp_axis=axis,
-                )
-            )
-    return xk.Manifest.build(regions, tp_rank=rank, tp_size=tp), arrays
+    return kv_manifest(layout, tp, rank, layers, pages, seed=rank)
 
 
 def prefill(conn: Connection) -> None:

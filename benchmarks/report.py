@@ -10,7 +10,39 @@ from typing import Any
 
 import numpy as np
 
+import xferkit as xk
+
 RESULTS = Path(__file__).parent / "results"
+
+HEADS, HEAD_DIM, PAGE, BF16 = 8, 128, 64, 2
+"""A Llama-70B-shaped KV layer set: 8 KV heads of 128, bf16, pages of 64 tokens."""
+
+
+def kv_manifest(
+    layout: str, tp: int, rank: int, layers: int, pages: int, seed: int
+) -> tuple[xk.Manifest, list[np.ndarray]]:
+    """One rank's k and v pages, NHD or HND, random bytes (the tests check correctness)."""
+    heads = HEADS // tp
+    shape, axis = ((PAGE, heads, HEAD_DIM), 1) if layout == "NHD" else ((heads, PAGE, HEAD_DIM), 0)
+    rng = np.random.default_rng(seed)
+    arrays, regions = [], []
+    for layer in range(layers):
+        for name in "kv":
+            a = rng.integers(0, 256, (pages, *shape[:-1], HEAD_DIM * BF16), dtype=np.uint8)
+            arrays.append(a)
+            regions.append(
+                xk.Region(
+                    pool="kv",
+                    name=name,
+                    layer=layer,
+                    addr=a.ctypes.data,
+                    nbytes=a.nbytes,
+                    slot_shape=shape,
+                    itemsize=BF16,
+                    tp_axis=axis,
+                )
+            )
+    return xk.Manifest.build(regions, tp_rank=rank, tp_size=tp), arrays
 
 
 def default_out(name: str) -> str:

@@ -8,13 +8,14 @@ that every slice comes back after a request ends in any state.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import xferkit as xk
-from xferkit.session import RequestError, Session, State
+from xferkit.session import RequestError, Session, State, wire
 from xferkit.testing import Reference, RegionSpec
 
 HEADS, DIM, PAGE, PAGES = 8, 32, 16, 48
@@ -138,3 +139,36 @@ def test_bad_staging_options_name_themselves(kwargs: dict, match: str) -> None:
     ref = Reference(_specs(), src_tp=1, dst_tp=1, src_slots={"kv": 2}, dst_slots={"kv": 2})
     with pytest.raises(xk.XferError, match=match):
         Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **kwargs)
+
+
+def _forge(ranks: Ranks, rid: str, rounds: list[wire.Round]) -> RequestError:
+    """Prefill rank 0's backend sends decode rank 0 completion tags naming staged rounds that
+    were never written (a buggy or hostile peer); returns decode rank 0's root cause."""
+    recv = ranks.dec[0].expect(rid, ranks.sources, {"kv": [0, 1]})
+    deadline = time.monotonic() + 10
+    while recv.poll() is not State.WAITING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gen = ranks.dec[0]._recvs[rid].gen
+    peer = next(d.peer for d in ranks.pre[0]._downs.values() if d.hello.tp_rank == 0)
+    assert peer is not None
+    for r in rounds:
+        tag = wire.Tag(rid, gen, 0, 0, 0, r)
+        ranks.pre[0].backend.write(peer, xk.Descriptors.empty(), wire.encode(tag)).wait(5)
+    with pytest.raises(RequestError) as info:
+        recv.wait(10)
+    return info.value
+
+
+def test_forged_staged_rounds_fail_the_request_and_write_nowhere_else(ranks: Ranks) -> None:
+    arrays = ranks.ref.dsts[0].arrays.values()
+    for a in arrays:
+        a[0:4] = 0x5A
+    outside = _forge(ranks, "outside", [wire.Round(chunk=0, index=0, at={"kv": (1, 5)})])
+    assert outside.stage == "transfer" and "prefill rank 0" in str(outside)
+    assert "nothing of it was unpacked" in str(outside)
+    assert all((a[0:4] == 0x5A).all() for a in arrays)  # refused before any copy
+    many = [wire.Round(chunk=c, index=0, at={"kv": (0, 1)}) for c in range(1000)]
+    flood = _forge(ranks, "flood", many)  # bounded: no more chunks than the request's slots
+    assert flood.stage == "transfer" and "more staged chunks than" in str(flood)
+    # A peer may fill the slots a request offered it (with garbage, if it lies); never others.
+    assert all((a[2:4] == 0x5A).all() for a in arrays)

@@ -264,8 +264,7 @@ class DecodeSide(Core):
                 rec.acks.discard(up.address)
                 self._settle_recv(rec)
         elif isinstance(msg, wire.Written):
-            tag = wire.Tag(msg.rid, msg.gen, msg.src_rank, msg.seq, msg.total, msg.round)
-            self._completed(up, tag)
+            self._completed(up, wire.tag_of(msg))
         elif isinstance(msg, wire.Bye):
             self._lose_up(up, f"{up.where()} closed its session: {msg.reason}")
         else:
@@ -330,6 +329,8 @@ class DecodeSide(Core):
         if inbound is None:
             if up.staged is None or up.welcome is None:
                 problem = "a staged round from a pair without staging"
+            elif len(src.inbound) >= sum(s.size for s in rec.slots.values()):
+                problem = f"more staged chunks than the request has slots (chunk {r.chunk})"
             else:
                 try:
                     chunk = {}

@@ -326,15 +326,7 @@ class PrefillSide(StagedWrites):
                         break
                     else:
                         if not self._notifying:
-                            written = wire.Written(
-                                rid=tag.rid,
-                                gen=tag.gen,
-                                src_rank=tag.src_rank,
-                                seq=tag.seq,
-                                total=tag.total,
-                                round=tag.round,
-                            )
-                            self._to_down(dst.down.ident, written)
+                            self._to_down(dst.down.ident, wire.written(tag))
                         dst.transfers[i] = (t, None)
                         if tag.round is not None:  # its source half is free: pack the next
                             self._round_written(rec, dst, tag.round)

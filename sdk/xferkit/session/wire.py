@@ -264,6 +264,15 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     round: Round | None = None  # set on the write of a staged round
 
 
+def written(tag: Tag) -> Written:
+    """The control message carrying ``tag`` where the driver has no notifications."""
+    return Written(tag.rid, tag.gen, tag.src_rank, tag.seq, tag.total, tag.round)
+
+
+def tag_of(msg: Written) -> Tag:
+    return Tag(msg.rid, msg.gen, msg.src_rank, msg.seq, msg.total, msg.round)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _tag_decoder = msgspec.msgpack.Decoder(Tag)
