@@ -21,7 +21,7 @@ from .errors import (
     TransferError,
     XferError,
 )
-from .manifest import Dropped, Manifest, Region, RegionKey, key_label
+from .manifest import PAGE_AXIS, Dropped, Manifest, Region, RegionKey, key_label
 from .planner import Coverage, Plan, coverage, plan
 from .plugins import BackendInfo, backends, open_backend
 from .session import Receive, RequestError, Send, Session, SessionKeys, State
@@ -33,6 +33,7 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0+unknown"
 
 __all__ = [
+    "PAGE_AXIS",
     "Backend",
     "BackendInfo",
     "BoundsError",

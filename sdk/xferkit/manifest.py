@@ -26,6 +26,10 @@ from .sharding import AxisLayout, axis_layout
 RegionKey = tuple[str, str, int, int]
 """(pool, name, layer, part): how regions are named and paired across engines."""
 
+PAGE_AXIS = "token"
+"""The axis name whose size may differ between paired regions by a whole factor: a slot of one
+side then holds several pages of the other (``Region.axes``)."""
+
 STAGING_POOL = "xferkit.staging"
 """The pool of staging memory: registered and advertised like any region (so writes into it
 are bounds-checked), never paired by the planner."""
@@ -52,7 +56,10 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     The first axis indexes slots of ``pool`` (the unit a request allocates).
     ``tp_axis`` is the axis of ``slot_shape`` sharded across tensor-parallel
-    ranks (None: every rank holds all of it). ``tp_groups`` gives the global
+    ranks (None: every rank holds all of it). ``axes`` names the axes of
+    ``slot_shape``: when both sides of a pair name them, axes pair by name, so
+    one side may be NHD and the other HND, and the ``PAGE_AXIS`` may hold a
+    whole multiple of the other side's tokens. ``tp_groups`` gives the global
     sizes of independently sharded blocks along that axis (e.g. a conv state
     laid out ``[q | k | v]``); ``tp_global`` the global size of the axis when
     it is not ``local * tp_size`` (e.g. more TP ranks than KV heads).
@@ -75,6 +82,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     tp_axis: int | None = None
     tp_groups: tuple[int, ...] | None = None
     tp_global: int | None = None
+    axes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -119,6 +127,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         tp_axis: int | None = None,
         tp_groups: tuple[int, ...] | None = None,
         tp_global: int | None = None,
+        axes: tuple[str, ...] | None = None,
         device: str | None = None,
     ) -> Region:
         """Describe a numpy array or a torch tensor (duck-typed: no torch import).
@@ -151,6 +160,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             tp_axis=tp_axis,
             tp_groups=_int_tuple(tp_groups, label, "tp_groups") if tp_groups is not None else None,
             tp_global=tp_global,
+            axes=_str_tuple(axes, label) if axes is not None else None,
         )
         region.__dict__["_owner"] = array  # not encoded: it only keeps the memory alive
         return region
@@ -159,6 +169,12 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 def _int_tuple(value: Any, label: str, field: str) -> tuple[int, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise ManifestError(f"region {label}: {field} must be a sequence of ints, not {value!r}")
+    return tuple(value)
+
+
+def _str_tuple(value: Any, label: str) -> tuple[str, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ManifestError(f"region {label}: axes must be a sequence of names, not {value!r}")
     return tuple(value)
 
 
@@ -211,6 +227,10 @@ def _check_types(r: Region) -> None:
         if any(v is None for v in values):
             raise bad(field, "a tuple of ints")
         msgspec.structs.force_setattr(r, field, values)
+    if r.axes is not None:
+        if not isinstance(r.axes, tuple | list) or not all(type(a) is str for a in r.axes):
+            raise bad("axes", "a tuple of str")
+        msgspec.structs.force_setattr(r, "axes", tuple(r.axes))
 
 
 def _describe(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
@@ -556,6 +576,10 @@ def _validate_region(r: Region, tp_size: int) -> None:
         raise fail(f"address {r.addr:#x} is null or out of range")
     if not _DEVICE.match(r.device):
         raise fail(f"device {r.device!r} is neither 'cpu' nor 'cuda:N'")
+    if r.axes is not None and (
+        len(r.axes) != len(r.slot_shape) or len(set(r.axes)) != len(r.axes) or "" in r.axes
+    ):
+        raise fail(f"axes {r.axes} must name each axis of slot_shape {r.slot_shape} once")
     if r.tp_axis is None:
         if r.tp_groups is not None or r.tp_global is not None:
             raise fail("tp_groups / tp_global given for a replicated region (tp_axis is None)")

@@ -21,7 +21,7 @@ import numpy as np
 
 from .descriptors import Descriptors
 from .errors import PlanError
-from .manifest import STAGING_POOL, Manifest, Region, RegionKey, key_label
+from .manifest import PAGE_AXIS, STAGING_POOL, Manifest, Region, RegionKey, key_label
 from .sharding import AxisLayout, Segment, axis_layout
 
 
@@ -33,8 +33,26 @@ class Pieces(NamedTuple):
     nbytes: np.ndarray
 
 
+class _Pairing(NamedTuple):
+    """How one region pair lines up: its piece table and how pages map onto slots.
+
+    A slot of the side whose page axis is longer holds several pages of the
+    other; the table is for its first page, page ``t`` sits ``t * shift`` bytes
+    further.
+    """
+
+    pieces: Pieces
+    src_pages: int  # pages of the destination's size per source slot
+    dst_pages: int  # pages of the source's size per destination slot
+    src_shift: int  # bytes between consecutive pages within a source slot
+    dst_shift: int
+    src_extent: int  # bytes one page spans when contiguous, else 0
+    dst_extent: int
+    note: str  # how the two layouts differ ("" when alike): routes repeat it
+
+
 class _Group(NamedTuple):
-    """Regions of one pool sharing slot sizes and a piece table: expanded in one broadcast."""
+    """Regions of one pool sharing slot sizes and a pairing: expanded in one broadcast."""
 
     pool: str
     keys: tuple[RegionKey, ...]
@@ -42,9 +60,34 @@ class _Group(NamedTuple):
     dst_base: np.ndarray
     src_stride: int
     dst_stride: int
-    pieces: Pieces
-    whole: bool  # one piece spanning the whole slot on both sides
-    joins: bool  # the last piece of a slot can continue into the next slot's first
+    pairing: _Pairing
+    whole: bool  # one piece spanning the whole page on both sides
+    joins: bool  # the last piece of a page can continue into the next page's first
+
+    @property
+    def pieces(self) -> Pieces:
+        return self.pairing.pieces
+
+
+class Pairs(NamedTuple):
+    """A request's page pairs for one pool, sorted by destination: slot indices, the page
+    within each slot (None when every slot is one page) and where both sides advance by one."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    src_page: np.ndarray | None
+    dst_page: np.ndarray | None
+    cont: np.ndarray
+
+    def offsets(self, g: _Group) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offset of each pair's page within ``g``'s regions, on both sides."""
+        s = self.src * np.uint64(g.src_stride)
+        d = self.dst * np.uint64(g.dst_stride)
+        if self.src_page is not None:
+            s += self.src_page * np.uint64(g.pairing.src_shift)
+        if self.dst_page is not None:
+            d += self.dst_page * np.uint64(g.pairing.dst_shift)
+        return s, d
 
 
 class Plan:
@@ -57,7 +100,8 @@ class Plan:
         "_groups",
         "_known",
         "_origin",
-        "_pieces",
+        "_pages",
+        "_pairings",
         "dst_rank",
         "dst_slots",
         "src_rank",
@@ -69,7 +113,8 @@ class Plan:
         src: Manifest,
         dst: Manifest,
         groups: list[_Group],
-        pieces: dict[RegionKey, Pieces],
+        pairings: dict[RegionKey, _Pairing],
+        pages: dict[str, tuple[int, int]],
     ) -> None:
         self.src_rank = src.tp_rank
         self.dst_rank = dst.tp_rank
@@ -79,7 +124,8 @@ class Plan:
         # one whose regions were all dropped or that this source's pipeline stage lacks.
         self._known = (set(dst.pools) | {k[0] for k in dst.dropped_keys}) - {STAGING_POOL}
         self._groups = groups
-        self._pieces = pieces
+        self._pairings = pairings
+        self._pages = pages
         self._origin = (src, dst)
 
     @property
@@ -97,12 +143,19 @@ class Plan:
         return not self._groups
 
     def pieces(self, key: RegionKey) -> Pieces:
-        """The copies within one slot of ``key`` (empty when this source writes none of it)."""
-        return self._pieces.get(key) or _NO_PIECES
+        """The copies within one page of ``key`` (empty when this source writes none of it)."""
+        pairing = self._pairings.get(key)
+        return _NO_PIECES if pairing is None else pairing.pieces
 
-    def slot_bytes(self, pool: str) -> int:
-        """Bytes this plan moves per slot of ``pool``."""
-        return sum(len(g.keys) * int(g.pieces.nbytes.sum()) for g in self._groups if g.pool == pool)
+    def pages(self, pool: str) -> tuple[int, int]:
+        """(source, destination) pages per slot of ``pool``: ``(1, 4)`` when a destination slot
+        holds four source slots' tokens (``Region.axes``), ``(1, 1)`` when slots pair one to one."""
+        return self._pages.get(pool, (1, 1))
+
+    def describe(self, key: RegionKey) -> str:
+        """How the two sides' layouts of ``key`` line up ("" when alike)."""
+        pairing = self._pairings.get(key)
+        return "" if pairing is None else pairing.note
 
     def expand(self, request: Mapping[str, tuple[object, object]]) -> Descriptors:
         """Descriptors for a request: ``request[pool] = (src_slot_indices, dst_slot_indices)``.
@@ -115,13 +168,9 @@ class Plan:
         requests = {pool: self._slot_runs(pool, pair) for pool, pair in request.items()}
         return self._expand(requests, self._groups)
 
-    def _expand(
-        self,
-        requests: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
-        groups: list[_Group],
-    ) -> Descriptors:
-        """Descriptors of ``groups`` for validated slot runs (``staging`` expands a subset)."""
-        parts = [_expand_group(g, *requests[g.pool]) for g in groups if g.pool in requests]
+    def _expand(self, requests: Mapping[str, Pairs], groups: list[_Group]) -> Descriptors:
+        """Descriptors of ``groups`` for validated pairs (``staging`` expands a subset)."""
+        parts = [_expand_group(g, requests[g.pool]) for g in groups if g.pool in requests]
         out = Descriptors.sealed(sum(count for count, _ in parts), *self._origin)
         at = 0
         with out.filling() as (s, d, n):
@@ -130,9 +179,7 @@ class Plan:
                 at += count
         return out
 
-    def _slot_runs(
-        self, pool: str, pair: tuple[object, object]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _slot_runs(self, pool: str, pair: tuple[object, object]) -> Pairs:
         if pool not in self._known:
             known = sorted(self._known)
             raise PlanError(f"unknown pool {pool!r}; the destination has {known}", subject=pool)
@@ -144,24 +191,59 @@ class Plan:
             ) from None
         src = _indices(src_raw, pool, "source", self.src_slots.get(pool))
         dst = _indices(dst_raw, pool, "destination", self.dst_slots.get(pool))
-        if src.shape != dst.shape:
-            raise PlanError(
-                f"pool {pool!r}: {src.size} source slots but {dst.size} destination slots",
-                subject=pool,
-            )
-        if dst.size <= 1:  # one slot (a decode step's page): nothing to order or join
-            return src, dst, _NO_RUNS
+        ks, kd = self._pages.get(pool, (1, 1))
+        if ks == kd == 1:
+            if src.shape != dst.shape:
+                raise PlanError(
+                    f"pool {pool!r}: {src.size} source slots but {dst.size} destination slots",
+                    subject=pool,
+                )
+            if dst.size <= 1:  # one slot (a decode step's page): nothing to order or join
+                return Pairs(src, dst, None, None, _NO_RUNS)
         order = np.argsort(dst, kind="stable")
-        src, dst = src[order], dst[order]
-        same = np.flatnonzero(dst[1:] == dst[:-1])
+        ordered = dst[order]
+        same = np.flatnonzero(ordered[1:] == ordered[:-1])
         if same.size:
             raise PlanError(
-                f"pool {pool!r}: destination slot {int(dst[same[0]])} is requested twice",
+                f"pool {pool!r}: destination slot {int(ordered[same[0]])} is requested twice",
                 subject=pool,
             )
-        # A slot continues the previous run when both indices advance by one.
-        cont = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
-        return src, dst, cont
+        if ks == kd == 1:
+            src, dst = src[order], ordered
+            # A slot continues the previous run when both indices advance by one.
+            cont = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
+            return Pairs(src, dst, None, None, cont)
+        return _paged_pairs(pool, src, dst, ks, kd)
+
+
+def _paged_pairs(pool: str, src: np.ndarray, dst: np.ndarray, ks: int, kd: int) -> Pairs:
+    """Page j of the request is page ``j % ks`` of ``src[j // ks]`` and ``j % kd`` of
+    ``dst[j // kd]``; every slot named takes part (a last coarse slot may be partly used)."""
+    n = min(src.size * ks, dst.size * kd)
+    if n <= (src.size - 1) * ks or n <= (dst.size - 1) * kd:
+        fine, coarse = ("source", "destination") if kd > 1 else ("destination", "source")
+        k = max(ks, kd)
+        raise PlanError(
+            f"pool {pool!r}: {src.size} source slots but {dst.size} destination slots, where a "
+            f"{coarse} slot holds {k} {fine} slots: the {coarse} needs "
+            f"ceil(n / {k}) slots for n {fine} slots",
+            subject=pool,
+        )
+    j = np.arange(n, dtype=np.uint64)
+    s_slot, s_page = src[j // np.uint64(ks)], j % np.uint64(ks)
+    d_slot, d_page = dst[j // np.uint64(kd)], j % np.uint64(kd)
+    vs = s_slot * np.uint64(ks) + s_page  # the page's position in a run of pages
+    vd = d_slot * np.uint64(kd) + d_page
+    order = np.argsort(vd, kind="stable")
+    vs, vd = vs[order], vd[order]
+    cont = (vs[1:] == vs[:-1] + 1) & (vd[1:] == vd[:-1] + 1)
+    return Pairs(
+        s_slot[order],
+        d_slot[order],
+        s_page[order] if ks > 1 else None,
+        d_page[order] if kd > 1 else None,
+        cont,
+    )
 
 
 _EMPTY = np.zeros(0, dtype=np.uint64)
@@ -197,22 +279,23 @@ Fill = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 """Writes a group's descriptors into (src, dst, nbytes) slices of the request's final arrays."""
 
 
-def _expand_group(
-    g: _Group, src: np.ndarray, dst: np.ndarray, cont: np.ndarray
-) -> tuple[int, Fill]:
+def _expand_group(g: _Group, pairs: Pairs) -> tuple[int, Fill]:
     """(descriptor count, filler): the final arrays are allocated once, sealed, then filled."""
-    n, regions = src.size, g.src_base.size
+    n, regions = pairs.src.size, g.src_base.size
     if n == 0:
         return 0, lambda *out: None
+    src, dst = pairs.offsets(g)
+    cont = pairs.cont
     if g.whole:
-        # Runs of consecutive slots become one descriptor per region.
+        # Runs of consecutive pages become one descriptor per region.
+        unit = np.uint64(g.pieces.nbytes[0])
         if n == 1:
-            starts, lengths = _FIRST, np.full(1, g.src_stride, dtype=np.uint64)
+            starts, lengths = _FIRST, np.full(1, unit, dtype=np.uint64)
         else:
             starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-            lengths = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(g.src_stride)
-        s_off = src[starts] * np.uint64(g.src_stride) + g.pieces.src[0]
-        d_off = dst[starts] * np.uint64(g.dst_stride) + g.pieces.dst[0]
+            lengths = np.diff(np.append(starts, n)).astype(np.uint64) * unit
+        s_off = src[starts] + g.pieces.src[0]
+        d_off = dst[starts] + g.pieces.dst[0]
 
         def fill_runs(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
             shape = (regions, starts.size)
@@ -223,8 +306,8 @@ def _expand_group(
         return regions * starts.size, fill_runs
     # Offsets within a region first (n*P), then one pass adds each region's base.
     pieces = g.pieces.src.size
-    s_off = ((src * np.uint64(g.src_stride))[:, None] + g.pieces.src[None, :]).ravel()
-    d_off = ((dst * np.uint64(g.dst_stride))[:, None] + g.pieces.dst[None, :]).ravel()
+    s_off = (src[:, None] + g.pieces.src[None, :]).ravel()
+    d_off = (dst[:, None] + g.pieces.dst[None, :]).ravel()
     if not (g.joins and cont.any()):
 
         def fill_pieces(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
@@ -234,7 +317,7 @@ def _expand_group(
             out_n.reshape(regions * n, pieces)[:] = g.pieces.nbytes[None, :]
 
         return regions * n * pieces, fill_pieces
-    # The last piece of slot i joins the first piece of slot i+1 where both advance by one.
+    # The last piece of page i joins the first piece of page i+1 where both advance by one.
     s = (g.src_base[:, None] + s_off[None, :]).ravel()
     d = (g.dst_base[:, None] + d_off[None, :]).ravel()
     ln = np.tile(g.pieces.nbytes, regions * n)
@@ -286,29 +369,40 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
     _check_one_sided(src, dst, "source", "destination")
     _check_one_sided(dst, src, "destination", "source")
     buckets: dict[tuple, list[tuple[Region, Region]]] = {}
-    pieces_by_key: dict[RegionKey, Pieces] = {}
+    pairings: dict[RegionKey, _Pairing] = {}
+    pages: dict[str, tuple[int, int]] = {}
     for a in src.regions:
         if a.key not in dst or a.pool == STAGING_POOL:
             continue
         b = dst.region(a.key)
-        table = _region_pieces(
+        pairing = _region_pieces(
             _geometry(a), src.tp_rank, src.tp_size, _geometry(b), dst.tp_rank, dst.tp_size
         )
-        if isinstance(table, str):
-            raise PlanError(f"region {a.label}: {table}", subject=a.key)
-        if table.src.size == 0:
+        if isinstance(pairing, str):
+            raise PlanError(f"region {a.label}: {pairing}", subject=a.key)
+        ratio = (pairing.src_pages, pairing.dst_pages)
+        first = pages.setdefault(a.pool, ratio)
+        if first != ratio:
+            raise PlanError(
+                f"region {a.label}: {ratio[0]} source and {ratio[1]} destination pages per slot, "
+                f"but other regions of pool {a.pool!r} pair {first[0]} and {first[1]}: a request "
+                "names one set of slots per pool",
+                subject=a.key,
+            )
+        pairings[a.key] = pairing
+        if pairing.pieces.src.size == 0:
             continue
-        pieces_by_key[a.key] = table
-        bucket = (a.pool, a.slot_nbytes, b.slot_nbytes, id(table))
+        bucket = (a.pool, a.slot_nbytes, b.slot_nbytes, id(pairing))
         buckets.setdefault(bucket, []).append((a, b))
     groups = []
     for (pool, s_stride, d_stride, _), pairs in buckets.items():
-        table = pieces_by_key[pairs[0][0].key]
+        pairing = pairings[pairs[0][0].key]
+        table = pairing.pieces
         joins = bool(
             table.src[0] == 0
             and table.dst[0] == 0
-            and table.src[-1] + table.nbytes[-1] == s_stride
-            and table.dst[-1] + table.nbytes[-1] == d_stride
+            and table.src[-1] + table.nbytes[-1] == pairing.src_extent
+            and table.dst[-1] + table.nbytes[-1] == pairing.dst_extent
         )
         groups.append(
             _Group(
@@ -318,12 +412,12 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
                 dst_base=np.array([b.addr for _, b in pairs], dtype=np.uint64),
                 src_stride=s_stride,
                 dst_stride=d_stride,
-                pieces=table,
+                pairing=pairing,
                 whole=joins and table.src.size == 1,
                 joins=joins,
             )
         )
-    return Plan(src, dst, groups, pieces_by_key)
+    return Plan(src, dst, groups, pairings, pages)
 
 
 def _check_one_sided(have: Manifest, other: Manifest, side: str, other_side: str) -> None:
@@ -355,10 +449,11 @@ class _Geometry(NamedTuple):
     tp_axis: int | None
     tp_groups: tuple[int, ...] | None
     tp_global: int | None
+    axes: tuple[str, ...] | None
 
 
 def _geometry(r: Region) -> _Geometry:
-    return _Geometry(r.slot_shape, r.itemsize, r.tp_axis, r.tp_groups, r.tp_global)
+    return _Geometry(r.slot_shape, r.itemsize, r.tp_axis, r.tp_groups, r.tp_global, r.axes)
 
 
 MAX_PIECES = 1 << 22
@@ -366,44 +461,162 @@ MAX_PIECES = 1 << 22
 
 
 @lru_cache(maxsize=4096)
-def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int) -> Pieces | str:
-    """Pieces within one slot that source rank s owes destination rank d, or why none can be."""
+def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int) -> _Pairing | str:
+    """What source rank s owes destination rank d within a slot, or why nothing can be.
+
+    Axes are numbered as the source orders them; ``perm[j]`` is the source axis
+    that is the destination's axis ``j`` (by name when both sides name them).
+    """
     if not a.slot_shape and not b.slot_shape:  # one scalar per slot
         a, b = a._replace(slot_shape=(1,)), b._replace(slot_shape=(1,))
     if a.itemsize != b.itemsize:
         return f"itemsize differs: {a.itemsize} on the source, {b.itemsize} on the destination"
     if len(a.slot_shape) != len(b.slot_shape):
         return f"slot_shape {a.slot_shape} on the source, {b.slot_shape} on the destination"
-    if a.tp_axis is not None and b.tp_axis is not None and a.tp_axis != b.tp_axis:
-        return f"sharded along axis {a.tp_axis} on the source, {b.tp_axis} on the destination"
-    axis = a.tp_axis if a.tp_axis is not None else (b.tp_axis or 0)
-    other = [i for i in range(len(a.slot_shape)) if i != axis]
-    if any(a.slot_shape[i] != b.slot_shape[i] for i in other):
+    ndim = len(a.slot_shape)
+    named = a.axes is not None and b.axes is not None
+    if a.axes is not None and b.axes is not None:
+        if sorted(a.axes) != sorted(b.axes):
+            return f"axes {a.axes} on the source, {b.axes} on the destination"
+        perm = tuple(a.axes.index(name) for name in b.axes)
+    else:
+        perm = tuple(range(ndim))
+    inv = tuple(perm.index(i) for i in range(ndim))  # source axis i is destination axis inv[i]
+    bshape = tuple(b.slot_shape[inv[i]] for i in range(ndim))
+    tb = None if b.tp_axis is None else perm[b.tp_axis]
+    if a.tp_axis is not None and tb is not None and a.tp_axis != tb:
+        where = _axis(a, a.tp_axis), _axis(b, inv[tb])
+        return f"sharded along {where[0]} on the source, {where[1]} on the destination"
+    axis = a.tp_axis if a.tp_axis is not None else (tb if tb is not None else 0)
+    page = a.axes.index(PAGE_AXIS) if named and a.axes and PAGE_AXIS in a.axes else None
+    ks = kd = 1
+    for i in range(ndim):
+        na, nb = a.slot_shape[i], bshape[i]
+        if i == axis or na == nb:
+            continue
+        if i == page and min(na, nb) and max(na, nb) % min(na, nb) == 0:
+            ks, kd = max(na // nb, 1), max(nb // na, 1)
+            continue
         return (
             f"non-sharded dims differ: slot_shape {a.slot_shape} on the source, "
-            f"{b.slot_shape} on the destination (sharded axis {axis})"
+            f"{b.slot_shape} on the destination (sharded axis {axis}"
+            + (f"; {PAGE_AXIS!r} may differ by a whole factor)" if page is not None else ")")
         )
-    la, lb = _layout(a, axis, ts), _layout(b, axis, td)
-    if la.size != lb.size:
+    # The box one page pair spans: the shorter page, the whole of every other axis.
+    box = [min(na, nb) for na, nb in zip(a.slot_shape, bshape, strict=True)]
+    if a.tp_axis is None and tb is None:  # replicated on both sides: one replica writes it all
+        runs = [(0, box[axis], 0, 0)] if d % ts == s else []
+    else:
+        la, lb = _layout(a, axis, ts), _layout(b, inv[axis], td)
+        if la.size != lb.size:
+            return (
+                f"global size of axis {axis} differs: {la.size} on the source "
+                f"(local {a.slot_shape[axis]} at TP {ts}), {lb.size} on the destination "
+                f"(local {bshape[axis]} at TP {td})"
+            )
+        problem = _group_mismatch(la, lb)
+        if problem:
+            return problem
+        runs = _owned_runs(la, s, lb.segments(d), d)
+    sa = _strides(a.slot_shape, a.itemsize)
+    db = _strides(b.slot_shape, b.itemsize)
+    sb = [db[inv[i]] for i in range(ndim)]
+    cuts = []
+    for _, length, s_at, d_at in runs:
+        box[axis] = length
+        dims = [(box[i], sa[i], sb[i]) for i in perm]  # destination order, outer first
+        cuts.append((_collapse(dims, a.itemsize), s_at * sa[axis], d_at * sb[axis]))
+    count = sum(math.prod(n for n, _, _ in grid) for (_, grid), _, _ in cuts) * max(ks, kd)
+    if count > MAX_PIECES:
         return (
-            f"global size of axis {axis} differs: {la.size} on the source "
-            f"(local {a.slot_shape[axis]} at TP {ts}), {lb.size} on the destination "
-            f"(local {b.slot_shape[axis]} at TP {td})"
+            f"one slot would need {count} pieces (more than {MAX_PIECES}): the sharded axis "
+            f"{axis} of slot_shape {a.slot_shape} lies under too many rows, or the layouts "
+            "transpose too finely; shard an outer axis"
         )
-    problem = _group_mismatch(la, lb)
-    if problem:
-        return problem
-    runs = _owned_runs(la, s, lb.segments(d), d)
-    pieces = math.prod(a.slot_shape[:axis]) * len(runs)
-    if pieces > MAX_PIECES:
-        return (
-            f"one slot would need {pieces} pieces (more than {MAX_PIECES}): the sharded axis "
-            f"{axis} of slot_shape {a.slot_shape} lies under too many rows; shard an outer axis"
-        )
-    return _runs_to_bytes(runs, a.slot_shape, axis, a.itemsize, b.slot_shape[axis])
+    pieces = _coalesce(*_enumerate(cuts)) if cuts else _NO_PIECES
+    s_bytes, d_bytes = math.prod(a.slot_shape) * a.itemsize, math.prod(b.slot_shape) * b.itemsize
+    s_shift = box[page] * sa[page] if page is not None and ks > 1 else 0
+    d_shift = box[page] * sb[page] if page is not None and kd > 1 else 0
+    return _Pairing(
+        pieces,
+        ks,
+        kd,
+        s_shift,
+        d_shift,
+        _extent(s_shift, ks, s_bytes),
+        _extent(d_shift, kd, d_bytes),
+        _note(a, b, perm, ks, kd),
+    )
+
+
+def _axis(g: _Geometry, i: int) -> str:
+    return f"axis {i}" + (f" ({g.axes[i]!r})" if g.axes is not None else "")
+
+
+def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    out, step = [0] * len(shape), itemsize
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = step
+        step *= shape[i]
+    return out
+
+
+def _extent(shift: int, pages: int, slot_bytes: int) -> int:
+    """Bytes one page spans if its bytes are contiguous (the page axis is outermost), else 0."""
+    if pages == 1:
+        return slot_bytes
+    return shift if shift * pages == slot_bytes else 0
+
+
+Dims = list[tuple[int, int, int]]
+
+
+def _collapse(dims: Dims, itemsize: int) -> tuple[int, Dims]:
+    """(piece length, grid): merge axes contiguous on both sides into their outer neighbour;
+    the innermost, when unit-strided on both sides, becomes the piece, the rest the grid."""
+    merged: Dims = []
+    for n, ss, ds in dims:
+        if n == 1:
+            continue
+        if merged and merged[-1][1] == ss * n and merged[-1][2] == ds * n:
+            merged[-1] = (merged[-1][0] * n, ss, ds)
+        else:
+            merged.append((n, ss, ds))
+    if merged and merged[-1][1] == merged[-1][2] == itemsize:
+        return merged[-1][0] * itemsize, merged[:-1]
+    return itemsize, merged
+
+
+def _enumerate(
+    cuts: list[tuple[tuple[int, Dims], int, int]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every piece of every run: one broadcast per axis of the grid, never per piece."""
+    src, dst, nbytes = [], [], []
+    for (length, grid), s0, d0 in cuts:
+        s, d = np.array([s0], dtype=np.uint64), np.array([d0], dtype=np.uint64)
+        for n, ss, ds in grid:
+            step = np.arange(n, dtype=np.uint64)
+            s = (s[:, None] + step * np.uint64(ss)).ravel()
+            d = (d[:, None] + step * np.uint64(ds)).ravel()
+        src.append(s)
+        dst.append(d)
+        nbytes.append(np.full(s.size, length, dtype=np.uint64))
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(nbytes)
+
+
+def _note(a: _Geometry, b: _Geometry, perm: tuple[int, ...], ks: int, kd: int) -> str:
+    parts = []
+    if perm != tuple(range(len(perm))):
+        parts.append(f"axes {a.axes} on the source, {b.axes} on the destination")
+    if ks > 1:
+        parts.append(f"a source slot holds {ks} destination pages")
+    if kd > 1:
+        parts.append(f"a destination slot holds {kd} source pages")
+    return "; ".join(parts)
 
 
 def _layout(g: _Geometry, axis: int, tp_size: int) -> AxisLayout:
+    """How ``g``'s axis ``axis`` (its own numbering) splits over ``tp_size`` ranks."""
     if g.tp_axis is None:
         n = g.slot_shape[axis]
         return AxisLayout(n, n, (n,), tp_size, replicated=True)
@@ -464,27 +677,6 @@ def _covering(segs: tuple[Segment, ...], x: int) -> Segment | None:
     return None
 
 
-def _runs_to_bytes(
-    runs: list[tuple[int, int, int, int]],
-    shape: tuple[int, ...],
-    axis: int,
-    itemsize: int,
-    dst_local: int,
-) -> Pieces:
-    """Repeat each run once per row outside the sharded axis and convert to bytes."""
-    if not runs:
-        return _NO_PIECES
-    outer = math.prod(shape[:axis])
-    inner = math.prod(shape[axis + 1 :]) * itemsize
-    src_row, dst_row = shape[axis] * inner, dst_local * inner
-    r = np.array(runs, dtype=np.uint64)
-    rows = np.arange(outer, dtype=np.uint64)[:, None]
-    src = rows * np.uint64(src_row) + r[None, :, 2] * np.uint64(inner)
-    dst = rows * np.uint64(dst_row) + r[None, :, 3] * np.uint64(inner)
-    nbytes = np.broadcast_to(r[None, :, 1] * np.uint64(inner), src.shape)
-    return _coalesce(src.ravel(), dst.ravel(), np.ascontiguousarray(nbytes).ravel())
-
-
 # -- coverage ---------------------------------------------------------------
 
 
@@ -539,10 +731,16 @@ def coverage(srcs: Sequence[Manifest], dst: Manifest) -> Coverage:
             continue
         size = r.slot_nbytes
         writers = [i for i, p in plans.items() if p.pieces(r.key).src.size]
-        tables = [plans[i].pieces(r.key) for i in writers]
+        starts, lengths = [], []
+        for i in writers:
+            pairing = plans[i]._pairings[r.key]
+            t = pairing.pieces
+            pages = np.arange(pairing.dst_pages, dtype=np.uint64) * np.uint64(pairing.dst_shift)
+            starts.append((pages[:, None] + t.dst[None, :]).ravel())
+            lengths.append(np.tile(t.nbytes, pairing.dst_pages))
         bad = _first_not_once(
-            np.concatenate([t.dst for t in tables] or [_EMPTY]).astype(np.int64),
-            np.concatenate([t.nbytes for t in tables] or [_EMPTY]).astype(np.int64),
+            np.concatenate(starts or [_EMPTY]).astype(np.int64),
+            np.concatenate(lengths or [_EMPTY]).astype(np.int64),
             size,
         )
         if bad is not None:

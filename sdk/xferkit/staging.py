@@ -30,7 +30,7 @@ import numpy as np
 from .descriptors import Descriptors
 from .errors import PlanError
 from .manifest import RegionKey
-from .planner import Pieces, Plan, _Group
+from .planner import Pairs, Pieces, Plan, _Group
 
 Path = Literal["direct", "pack", "unpack", "both"]
 PATHS: tuple[Path, ...] = get_args(Path)
@@ -105,6 +105,8 @@ def _choose(
             f"{copy_cost:g} per copied byte"
         )
         why = ("forced staged: " if force == "staged" else "") + shape
+    if g.pairing.note:
+        why = f"{g.pairing.note}; {why}"
     return Route(path, why), src_order if path == "unpack" else p
 
 
@@ -166,7 +168,7 @@ class StagedPlan:
         slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
         direct = self.plan._expand(slots, self._direct)
         parts = [(s, slots[s.group.pool]) for s in self._staged if s.group.pool in slots]
-        parts = [(s, sl) for s, sl in parts if sl[0].size]
+        parts = [(s, sl) for s, sl in parts if sl.src.size]
         for s, _ in parts:
             for side, cap, used in (
                 ("source", src_capacity, s.src_side),
@@ -181,14 +183,11 @@ class StagedPlan:
         return StagedRequest(direct, _rounds(parts, src_capacity, dst_capacity))
 
 
-Slots = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
 class _Part(NamedTuple):
     """Units [u0, u1) of one group in one round, and where their staging blocks start."""
 
     staged: _Staged
-    slots: Slots
+    slots: Pairs
     u0: int
     u1: int
     src_at: int
@@ -245,12 +244,12 @@ class StagedRequest(NamedTuple):
         return max((r.dst_bytes for r in self.rounds), default=0)
 
 
-def _rounds(parts: list[tuple[_Staged, Slots]], src_cap: int, dst_cap: int) -> list[Round]:
+def _rounds(parts: list[tuple[_Staged, Pairs]], src_cap: int, dst_cap: int) -> list[Round]:
     """Cut the units, in order, into rounds greedily: one loop step per round, not per unit."""
     if not parts:
         return []
     # Per unit: staging bytes on each side; units of group j are counts[j] in a row.
-    counts = np.array([s.group.src_base.size * sl[0].size for s, sl in parts], dtype=np.int64)
+    counts = np.array([s.group.src_base.size * sl.src.size for s, sl in parts], dtype=np.int64)
     src_unit = np.array([s.unit * s.src_side for s, _ in parts], dtype=np.int64)
     dst_unit = np.array([s.unit * s.dst_side for s, _ in parts], dtype=np.int64)
     ends = np.cumsum(counts)
@@ -283,12 +282,12 @@ def _rounds(parts: list[tuple[_Staged, Slots]], src_cap: int, dst_cap: int) -> l
 
 def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> Staged:
     s, g = part.staged, part.staged.group
-    src, dst, _ = part.slots
+    src, dst = part.slots.offsets(g)
     n = np.uint64(src.size)
     units = np.arange(part.u0, part.u1, dtype=np.uint64)
     region, slot = units // n, units % n
-    src_slot = g.src_base[region] + src[slot] * np.uint64(g.src_stride)
-    dst_slot = g.dst_base[region] + dst[slot] * np.uint64(g.dst_stride)
+    src_slot = g.src_base[region] + src[slot]
+    dst_slot = g.dst_base[region] + dst[slot]
     block = (units - np.uint64(part.u0)) * np.uint64(s.unit)
     src_block = src_stage + np.uint64(part.src_at) + block
     dst_block = dst_stage + np.uint64(part.dst_at) + block
