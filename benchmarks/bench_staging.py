@@ -41,28 +41,39 @@ DRIVERS: dict[str, dict[str, Any]] = {
     "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
     "nixl": {},
 }
-CASES = [  # (label, src TP, dst TP, layout, staging)
-    ("8 -> 8 NHD", 8, 8, "NHD", "never"),
-    ("4 -> 8 HND", 4, 8, "HND", "never"),
-    ("4 -> 8 NHD direct", 4, 8, "NHD", "never"),
-    ("4 -> 8 NHD staged", 4, 8, "NHD", "auto"),
-    ("8 -> 4 NHD direct", 8, 4, "NHD", "never"),
-    ("8 -> 4 NHD staged", 8, 4, "NHD", "auto"),
+CASES = [  # (label, src TP, dst TP, src layout / page, dst layout / page, staging)
+    ("8 -> 8 NHD", 8, 8, ("NHD", PAGE), ("NHD", PAGE), "never"),
+    ("4 -> 8 HND", 4, 8, ("HND", PAGE), ("HND", PAGE), "never"),
+    ("4 -> 8 NHD direct", 4, 8, ("NHD", PAGE), ("NHD", PAGE), "never"),
+    ("4 -> 8 NHD staged", 4, 8, ("NHD", PAGE), ("NHD", PAGE), "auto"),
+    ("8 -> 4 NHD direct", 8, 4, ("NHD", PAGE), ("NHD", PAGE), "never"),
+    ("8 -> 4 NHD staged", 8, 4, ("NHD", PAGE), ("NHD", PAGE), "auto"),
+]
+VIEWS = [  # layouts no contiguous-byte plan moves cheaply: --views
+    ("4 -> 4 NHD", 4, 4, ("NHD", PAGE), ("NHD", PAGE), "never"),
+    ("4 -> 4 NHD>HND direct", 4, 4, ("NHD", PAGE), ("HND", PAGE), "never"),
+    ("4 -> 4 NHD>HND staged", 4, 4, ("NHD", PAGE), ("HND", PAGE), "auto"),
+    ("4 -> 8 NHD>HND staged", 4, 8, ("NHD", PAGE), ("HND", PAGE), "auto"),
+    ("8 -> 8 HND p16>p64", 8, 8, ("HND", 16), ("HND", PAGE), "auto"),
+    ("8 -> 8 NHD p16>p64", 8, 8, ("NHD", 16), ("NHD", PAGE), "auto"),
+    ("4 -> 8 NHD p16>HND p64", 4, 8, ("NHD", 16), ("HND", PAGE), "auto"),
+    ("8 -> 4 HND p64>NHD p16", 8, 4, ("HND", PAGE), ("NHD", 16), "auto"),
 ]
 
 
 def manifest(
-    layout: str, tp: int, rank: int, layers: int, pages: int
+    view: tuple[str, int], tp: int, rank: int, layers: int, tokens: int
 ) -> tuple[xk.Manifest, list[np.ndarray]]:
-    return kv_manifest(layout, tp, rank, layers, pages, seed=rank)
+    layout, page = view
+    return kv_manifest(layout, tp, rank, layers, tokens // page, seed=rank, page=page)
 
 
 def prefill(conn: Connection) -> None:
     """A prefill rank: offers and writes every request it is told of (for decode rank 0, the
     only one there is: the sends stay open for the others until reaped)."""
     logging.basicConfig(level=logging.ERROR)
-    driver, layout, tp, rank, layers, pages, session = conn.recv()
-    m, arrays = manifest(layout, tp, rank, layers, pages)
+    driver, view, tp, rank, layers, tokens, session = conn.recv()
+    m, arrays = manifest(view, tp, rank, layers, tokens)
     s = Session(xk.open_backend(driver, **DRIVERS[driver]), m, **session)
     conn.send(s.address)
     sends = []
@@ -87,10 +98,10 @@ class Case:
     """Decode rank 0 here, the prefill ranks it needs in child processes."""
 
     def __init__(self, driver: str, case: tuple, a: Any) -> None:
-        _, src_tp, dst_tp, layout, staging = case
-        pages = a.tokens // PAGE
+        _, src_tp, dst_tp, src_view, dst_view, staging = case
         session = {"staging": staging, "staging_bytes": a.staging, "staging_slice_bytes": a.slice}
-        self.m, self.arrays = manifest(layout, dst_tp, 0, a.layers, 2 * pages)
+        # Pools twice the request, so that random pages scatter.
+        self.m, self.arrays = manifest(dst_view, dst_tp, 0, a.layers, 2 * a.tokens)
         self.session = Session(xk.open_backend(driver, **DRIVERS[driver]), self.m, **session)
         needed = max(1, src_tp // dst_tp)  # decode rank 0 reads prefill ranks 0..needed-1
         ctx = mp.get_context("spawn")
@@ -99,12 +110,12 @@ class Case:
             conn, child = ctx.Pipe()
             p = ctx.Process(target=prefill, args=(child,), daemon=True)
             p.start()
-            conn.send((driver, layout, src_tp, rank, a.layers, 2 * pages, session))
+            conn.send((driver, src_view, src_tp, rank, a.layers, 2 * a.tokens, session))
             self.conns.append(conn)
             self.procs.append(p)
         self.sources = [c.recv() for c in self.conns]
-        self.pages = pages
-        self.bytes = a.layers * 2 * pages * PAGE * (HEADS // dst_tp) * DIM * BF16
+        self.src_pages, self.dst_pages = a.tokens // src_view[1], a.tokens // dst_view[1]
+        self.bytes = a.layers * 2 * a.tokens * (HEADS // dst_tp) * DIM * BF16
         self.rng = np.random.default_rng(7)
         self.n = 0
 
@@ -112,8 +123,8 @@ class Case:
         """One request, expect -> DONE, the prefill ranks having offered and written first."""
         rid = f"r{self.n}"
         self.n += 1
-        src = self.rng.permutation(2 * self.pages)[: self.pages].tolist()
-        dst = self.rng.permutation(2 * self.pages)[: self.pages].tolist()
+        src = self.rng.permutation(2 * self.src_pages)[: self.src_pages].tolist()
+        dst = self.rng.permutation(2 * self.dst_pages)[: self.dst_pages].tolist()
         for c in self.conns:
             c.send(("offer", rid, src))
         for c in self.conns:
@@ -139,6 +150,17 @@ class Case:
             }
             or {"direct"}
         )
+
+    def why(self) -> str:
+        """Why the first region pair went the way it did, as the plan says."""
+        key = ("kv", "k", 0, 0)
+        for u in self.session._ups.values():
+            if u.staged is not None:
+                return u.staged.routes[key].why
+            if u.manifest is not None:
+                note = xk.plan(u.manifest, self.m).describe(key)
+                return "staging off" + (f"; {note}" if note else "")
+        return ""
 
     def close(self) -> None:
         for c in self.conns:
@@ -205,8 +227,15 @@ def main() -> None:
     parser.add_argument("--staging", type=int, default=64 << 20, help="bytes per Session")
     parser.add_argument("--slice", type=int, default=16 << 20, help="bytes per slice")
     parser.add_argument("--drivers", default=",".join(DRIVERS))
+    parser.add_argument(
+        "--views",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also NHD <-> HND and pages of 16 <-> 64 tokens",
+    )
     parser.add_argument("--out", default=default_out("staging"))
     a = parser.parse_args()
+    table = CASES + (VIEWS if a.views else [])
     logging.basicConfig(level=logging.ERROR)
     drivers = a.drivers.split(",")
     costs = [descriptor_cost(d) for d in drivers]
@@ -221,7 +250,7 @@ def main() -> None:
         )
     rows = []
     for driver in drivers:
-        cases = [Case(driver, c, a) for c in CASES]
+        cases = [Case(driver, c, a) for c in table]
         try:
             for case in cases:
                 case.run()  # warm: handshakes, plans, routes
@@ -230,11 +259,12 @@ def main() -> None:
                 for i, case in enumerate(cases):
                     runs[i].append(case.run())
             routes = [case.routes() for case in cases]
+            whys = [case.why() for case in cases]
         finally:
             for case in cases:
                 case.close()
         equal = cases[0].bytes / min(runs[0])
-        for case, (label, *_), rs, rt in zip(cases, CASES, runs, routes, strict=True):
+        for case, (label, *_), rs, rt, why in zip(cases, table, runs, routes, whys, strict=True):
             gbps = case.bytes / min(rs)
             rows.append(
                 {
@@ -246,14 +276,18 @@ def main() -> None:
                     "gbps": gbps / 1e9,
                     "vs_equal": gbps / equal,
                     "routes": rt,
+                    "why": why,
                 }
             )
-    print(f"\n{'driver':<10}{'case':<20}{'GB/s':>7}{'/ 8->8':>8}  route")
+    print(f"\n{'driver':<10}{'case':<26}{'GB/s':>7}{'/ 8->8':>8}  route")
     for r in rows:
         print(
-            f"{r['driver']:<10}{r['case']:<20}{r['gbps']:>7.2f}{r['vs_equal']:>8.2f}"
+            f"{r['driver']:<10}{r['case']:<26}{r['gbps']:>7.2f}{r['vs_equal']:>8.2f}"
             f"  {','.join(r['routes'])}"
         )
+    print("\nwhy (the plan's own words, first k region of the first driver):")
+    for r in rows[: len(table)]:
+        print(f"  {r['case']}: {r['why']}")
     save(a.out, rows, costs=costs, layers=a.layers, tokens=a.tokens, staging=a.staging)
 
 

@@ -19,11 +19,13 @@ HEADS, HEAD_DIM, PAGE, BF16 = 8, 128, 64, 2
 
 
 def kv_manifest(
-    layout: str, tp: int, rank: int, layers: int, pages: int, seed: int
+    layout: str, tp: int, rank: int, layers: int, pages: int, seed: int, page: int = PAGE
 ) -> tuple[xk.Manifest, list[np.ndarray]]:
-    """One rank's k and v pages, NHD or HND, random bytes (the tests check correctness)."""
+    """One rank's k and v pages of ``page`` tokens, NHD or HND (axes named, so either side may
+    use either), random bytes (the tests check correctness)."""
     heads = HEADS // tp
-    shape, axis = ((PAGE, heads, HEAD_DIM), 1) if layout == "NHD" else ((heads, PAGE, HEAD_DIM), 0)
+    shape, axis = ((page, heads, HEAD_DIM), 1) if layout == "NHD" else ((heads, page, HEAD_DIM), 0)
+    axes = ("token", "head", "dim") if layout == "NHD" else ("head", "token", "dim")
     rng = np.random.default_rng(seed)
     arrays, regions = [], []
     for layer in range(layers):
@@ -40,6 +42,7 @@ def kv_manifest(
                     slot_shape=shape,
                     itemsize=BF16,
                     tp_axis=axis,
+                    axes=axes,
                 )
             )
     return xk.Manifest.build(regions, tp_rank=rank, tp_size=tp), arrays

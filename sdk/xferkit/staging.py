@@ -88,8 +88,9 @@ def _choose(
         costs["pack"] = descriptor_bytes + copy
     if src_contig:
         costs["unpack"] = descriptor_bytes + copy
+    note = f"{g.pairing.note}; " if g.pairing.note else ""
     if count == 1 and force is None:
-        return Route("direct", f"one piece of {unit} bytes per slot: nothing to gather"), p
+        return Route("direct", f"{note}one piece of {unit} bytes per page: nothing to gather"), p
     if force in PATHS:
         path: Path = force if force in costs else "both"  # type: ignore[assignment]
         why = f"forced {force}" + ("" if force == path else f" (not possible: {path})")
@@ -97,17 +98,15 @@ def _choose(
         allowed = [q for q in PATHS if q in costs and (force != "staged" or q != "direct")]
         path = min(allowed, key=lambda q: costs[q])  # ties keep the earlier, simpler path
         shape = (
-            f"{count} piece{'s' * (count != 1)} of {unit} bytes per slot "
+            f"{count} piece{'s' * (count != 1)} of {unit} bytes per page "
             f"(source {'contiguous' if src_contig else 'strided'}, "
-            f"destination {'contiguous' if dst_contig else 'strided'}); cost per slot "
+            f"destination {'contiguous' if dst_contig else 'strided'}); cost per page "
             + ", ".join(f"{q} {costs[q]:.0f}" for q in PATHS if q in costs)
             + f" byte-equivalents at {descriptor_bytes} per wire descriptor and "
             f"{copy_cost:g} per copied byte"
         )
         why = ("forced staged: " if force == "staged" else "") + shape
-    if g.pairing.note:
-        why = f"{g.pairing.note}; {why}"
-    return Route(path, why), src_order if path == "unpack" else p
+    return Route(path, note + why), src_order if path == "unpack" else p
 
 
 def _offsets(nbytes: np.ndarray) -> np.ndarray:

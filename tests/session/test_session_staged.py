@@ -163,11 +163,11 @@ def test_forged_staged_rounds_fail_the_request_and_write_nowhere_else(ranks: Ran
     arrays = ranks.ref.dsts[0].arrays.values()
     for a in arrays:
         a[0:4] = 0x5A
-    outside = _forge(ranks, "outside", [wire.Round(chunk=0, index=0, at={"kv": (1, 5)})])
+    outside = _forge(ranks, "outside", [wire.Round(chunk=0, index=0, at={"kv": (1, 5, 5)})])
     assert outside.stage == "transfer" and "prefill rank 0" in str(outside)
     assert "nothing of it was unpacked" in str(outside)
     assert all((a[0:4] == 0x5A).all() for a in arrays)  # refused before any copy
-    many = [wire.Round(chunk=c, index=0, at={"kv": (0, 1)}) for c in range(1000)]
+    many = [wire.Round(chunk=c, index=0, at={"kv": (0, 1, 1)}) for c in range(1000)]
     flood = _forge(ranks, "flood", many)  # bounded: no more chunks than the request's slots
     assert flood.stage == "transfer" and "more staged chunks than" in str(flood)
     # A peer may fill the slots a request offered it (with garbage, if it lies); never others.

@@ -334,11 +334,14 @@ class DecodeSide(Core):
             else:
                 try:
                     chunk = {}
-                    for pool, (first, count) in r.at.items():
+                    for pool, (first, count, sources) in r.at.items():
                         dst = rec.slots[pool][first : first + count]
-                        if dst.size != count:
-                            raise PlanError(f"slots [{first}, +{count}) of pool {pool!r}")
-                        chunk[pool] = (np.zeros(count, dtype=np.int64), dst)  # unused here
+                        if dst.size != count or sources > count * up.staged.plan.pages(pool)[1]:
+                            raise PlanError(
+                                f"slots [{first}, +{count}) of pool {pool!r} from {sources}"
+                            )
+                        # Only how many: the sources' slots are the prefill rank's to know.
+                        chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
                     req = up.staged.expand(
                         chunk,
                         src_capacity=up.welcome.slice_bytes // 2,

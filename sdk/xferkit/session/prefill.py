@@ -27,6 +27,8 @@ from .handshake import Down
 from .rounds import Halves
 from .staged import Chunk, StagedWrites
 
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 class Dst:
     """One decode rank's part of a prefill request."""
@@ -235,22 +237,24 @@ class PrefillSide(StagedWrites):
         self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool
     ) -> None:
         request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        spans: dict[str, tuple[int, int]] = {}
+        spans: dict[str, tuple[int, int, int]] = {}
+        assert dst.down.plan is not None
         for pool, src in slots.items():
-            have = dst.slots.get(pool)
+            have = dst.slots.get(pool, _NONE)
             at = dst.cursor.get(pool, 0)
-            if have is None or at + src.size > have.size:
-                room = 0 if have is None else have.size - at
-                self._fail_send(
-                    rec,
-                    "plan",
-                    f"a chunk names {src.size} slots of pool {pool!r} but "
-                    f"{dst.down.where()} has {room} destination slots left",
-                )
+            count, problem = _dst_count(src.size, dst.down.plan.pages(pool), last)
+            room = have.size - at
+            if not problem and count > room:
+                problem = f"{dst.down.where()} has {room} destination slots left"
+                if count - room < dst.down.plan.pages(pool)[0]:
+                    count, problem = room, ""  # the last source slot's pages nobody asked for
+            if problem:
+                detail = f"a chunk names {src.size} slots of pool {pool!r}: {problem}"
+                self._fail_send(rec, "plan", detail)
                 return
-            request[pool] = (src, have[at : at + src.size])
-            spans[pool] = (at, src.size)
-            dst.cursor[pool] = at + src.size
+            request[pool] = (src, have[at : at + count])
+            spans[pool] = (at, count, src.size)
+            dst.cursor[pool] = at + count
         if last:
             short = [p for p, s in dst.slots.items() if dst.cursor[p] != s.size]
             if short:
@@ -431,3 +435,16 @@ class PrefillSide(StagedWrites):
             self._fail_send(rec, msg.stage, msg.text, formatted=True, ack=down)
         else:
             self._fail_send(rec, msg.stage, msg.text, formatted=True, gone=down)
+
+
+def _dst_count(n: int, pages: tuple[int, int], last: bool) -> tuple[int, str]:
+    """Destination slots ``n`` source slots fill, or why a chunk cannot end there: a
+    destination slot holding several source pages is written by one chunk, unless it is last."""
+    ks, kd = pages
+    count = -(-n * ks // kd)
+    if n * ks % kd and not last:
+        return count, (
+            f"a destination slot holds {kd} source slots, so every chunk but the last names a "
+            f"multiple of {kd}"
+        )
+    return count, ""

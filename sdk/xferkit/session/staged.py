@@ -43,7 +43,7 @@ class StagedWrites(Core):
         rec: SendRec,
         dst: Dst,
         request: Mapping[str, tuple[np.ndarray, np.ndarray]],
-        at: dict[str, tuple[int, int]],
+        at: dict[str, tuple[int, int, int]],
     ) -> tuple[Descriptors, Chunk] | None:
         """The chunk's direct part and its staged rounds, or None when it goes direct."""
         staged = dst.down.staged

@@ -14,7 +14,7 @@ import msgspec
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Sent in ``Hello``/``Welcome``; a peer speaking another version is refused at handshake."""
 
 MAX_MESSAGE = 64 << 20
@@ -133,12 +133,13 @@ Pool = Annotated[str, msgspec.Meta(max_length=256)]
 
 class Round(msgspec.Struct, frozen=True, array_like=True):
     """Which staged round a write carries: round ``index`` of chunk ``chunk``, whose slots are
-    ``at[pool] = (first, count)`` of the destination's slots of the request, landed in ``half``
-    of the staging slice the destination offered (when it unpacks)."""
+    ``at[pool] = (first, count, sources)``: ``count`` of the destination's slots of the request
+    from ``first``, filled from ``sources`` source slots (more or fewer when pages differ),
+    landed in ``half`` of the staging slice the destination offered (when it unpacks)."""
 
     chunk: Count
     index: Count
-    at: Annotated[dict[Pool, tuple[Count, Count]], msgspec.Meta(max_length=256)]
+    at: Annotated[dict[Pool, tuple[Count, Count, Count]], msgspec.Meta(max_length=256)]
     half: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0  # of the decode rank's slice
 
 
