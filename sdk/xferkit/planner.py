@@ -46,8 +46,6 @@ class _Pairing(NamedTuple):
     dst_pages: int  # pages of the source's size per destination slot
     src_shift: int  # bytes between consecutive pages within a source slot
     dst_shift: int
-    src_extent: int  # bytes one page spans when contiguous, else 0
-    dst_extent: int
     note: str  # how the two layouts differ ("" when alike): routes repeat it
 
 
@@ -61,8 +59,8 @@ class _Group(NamedTuple):
     src_stride: int
     dst_stride: int
     pairing: _Pairing
-    whole: bool  # one piece spanning the whole page on both sides
-    joins: bool  # the last piece of a page can continue into the next page's first
+    src_span: np.uint64  # from a page's first piece (in destination order) to its last's end
+    dst_span: np.uint64
 
     @property
     def pieces(self) -> Pieces:
@@ -70,14 +68,13 @@ class _Group(NamedTuple):
 
 
 class Pairs(NamedTuple):
-    """A request's page pairs for one pool, sorted by destination: slot indices, the page
-    within each slot (None when every slot is one page) and where both sides advance by one."""
+    """A request's page pairs for one pool, sorted by destination: slot indices and the page
+    within each slot (None when every slot is one page)."""
 
     src: np.ndarray
     dst: np.ndarray
     src_page: np.ndarray | None
     dst_page: np.ndarray | None
-    cont: np.ndarray
 
     def offsets(self, g: _Group) -> tuple[np.ndarray, np.ndarray]:
         """Byte offset of each pair's page within ``g``'s regions, on both sides."""
@@ -147,10 +144,12 @@ class Plan:
         pairing = self._pairings.get(key)
         return _NO_PIECES if pairing is None else pairing.pieces
 
-    def pages(self, pool: str) -> tuple[int, int]:
+    def pages(self, pool: str) -> tuple[int, int] | None:
         """(source, destination) pages per slot of ``pool``: ``(1, 4)`` when a destination slot
-        holds four source slots' tokens (``Region.axes``), ``(1, 1)`` when slots pair one to one."""
-        return self._pages.get(pool, (1, 1))
+        holds four source slots' tokens (``Region.axes``), ``(1, 1)`` when slots pair one to
+        one; None when no region of ``pool`` pairs here (another stage's, or all dropped), so
+        nothing of it moves between these two ranks."""
+        return self._pages.get(pool)
 
     def describe(self, key: RegionKey) -> str:
         """How the two sides' layouts of ``key`` line up ("" when alike)."""
@@ -191,7 +190,10 @@ class Plan:
             ) from None
         src = _indices(src_raw, pool, "source", self.src_slots.get(pool))
         dst = _indices(dst_raw, pool, "destination", self.dst_slots.get(pool))
-        ks, kd = self._pages.get(pool, (1, 1))
+        pages = self._pages.get(pool)
+        if pages is None:  # nothing of the pool moves here: its slots pair with nothing
+            return Pairs(src[:0], dst[:0], None, None)
+        ks, kd = pages
         if ks == kd == 1:
             if src.shape != dst.shape:
                 raise PlanError(
@@ -199,7 +201,7 @@ class Plan:
                     subject=pool,
                 )
             if dst.size <= 1:  # one slot (a decode step's page): nothing to order or join
-                return Pairs(src, dst, None, None, _NO_RUNS)
+                return Pairs(src, dst, None, None)
         order = np.argsort(dst, kind="stable")
         ordered = dst[order]
         same = np.flatnonzero(ordered[1:] == ordered[:-1])
@@ -209,10 +211,7 @@ class Plan:
                 subject=pool,
             )
         if ks == kd == 1:
-            src, dst = src[order], ordered
-            # A slot continues the previous run when both indices advance by one.
-            cont = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
-            return Pairs(src, dst, None, None, cont)
+            return Pairs(src[order], ordered, None, None)
         return _paged_pairs(pool, src, dst, ks, kd)
 
 
@@ -232,17 +231,12 @@ def _paged_pairs(pool: str, src: np.ndarray, dst: np.ndarray, ks: int, kd: int) 
     j = np.arange(n, dtype=np.uint64)
     s_slot, s_page = src[j // np.uint64(ks)], j % np.uint64(ks)
     d_slot, d_page = dst[j // np.uint64(kd)], j % np.uint64(kd)
-    vs = s_slot * np.uint64(ks) + s_page  # the page's position in a run of pages
-    vd = d_slot * np.uint64(kd) + d_page
-    order = np.argsort(vd, kind="stable")
-    vs, vd = vs[order], vd[order]
-    cont = (vs[1:] == vs[:-1] + 1) & (vd[1:] == vd[:-1] + 1)
+    order = np.argsort(d_slot * np.uint64(kd) + d_page, kind="stable")
     return Pairs(
         s_slot[order],
         d_slot[order],
         s_page[order] if ks > 1 else None,
         d_page[order] if kd > 1 else None,
-        cont,
     )
 
 
@@ -285,17 +279,23 @@ def _expand_group(g: _Group, pairs: Pairs) -> tuple[int, Fill]:
     if n == 0:
         return 0, lambda *out: None
     src, dst = pairs.offsets(g)
-    cont = pairs.cont
-    if g.whole:
-        # Runs of consecutive pages become one descriptor per region.
-        unit = np.uint64(g.pieces.nbytes[0])
+    table = g.pairing.pieces
+    pieces = table.src.size
+    # Page i+1 continues page i where its first piece starts where page i's last one ends,
+    # on both sides (consecutive whole pages, a head's run of short pages in a long one).
+    cont = _NO_RUNS
+    if n > 1:
+        cont = (src[1:] == src[:-1] + g.src_span) & (dst[1:] == dst[:-1] + g.dst_span)
+    if pieces == 1:
+        # Runs of continuing pages become one descriptor per region.
+        unit = np.uint64(table.nbytes[0])
         if n == 1:
             starts, lengths = _FIRST, np.full(1, unit, dtype=np.uint64)
         else:
             starts = np.flatnonzero(np.concatenate(([True], ~cont)))
             lengths = np.diff(np.append(starts, n)).astype(np.uint64) * unit
-        s_off = src[starts] + g.pieces.src[0]
-        d_off = dst[starts] + g.pieces.dst[0]
+        s_off = src[starts] + table.src[0]
+        d_off = dst[starts] + table.dst[0]
 
         def fill_runs(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
             shape = (regions, starts.size)
@@ -305,22 +305,21 @@ def _expand_group(g: _Group, pairs: Pairs) -> tuple[int, Fill]:
 
         return regions * starts.size, fill_runs
     # Offsets within a region first (n*P), then one pass adds each region's base.
-    pieces = g.pieces.src.size
-    s_off = (src[:, None] + g.pieces.src[None, :]).ravel()
-    d_off = (dst[:, None] + g.pieces.dst[None, :]).ravel()
-    if not (g.joins and cont.any()):
+    s_off = (src[:, None] + table.src[None, :]).ravel()
+    d_off = (dst[:, None] + table.dst[None, :]).ravel()
+    if not cont.any():
 
         def fill_pieces(out_s: np.ndarray, out_d: np.ndarray, out_n: np.ndarray) -> None:
             shape = (regions, n * pieces)
             np.add(g.src_base[:, None], s_off[None, :], out=out_s.reshape(shape))
             np.add(g.dst_base[:, None], d_off[None, :], out=out_d.reshape(shape))
-            out_n.reshape(regions * n, pieces)[:] = g.pieces.nbytes[None, :]
+            out_n.reshape(regions * n, pieces)[:] = table.nbytes[None, :]
 
         return regions * n * pieces, fill_pieces
-    # The last piece of page i joins the first piece of page i+1 where both advance by one.
+    # The last piece of page i joins the first piece of page i+1 where it continues.
     s = (g.src_base[:, None] + s_off[None, :]).ravel()
     d = (g.dst_base[:, None] + d_off[None, :]).ravel()
-    ln = np.tile(g.pieces.nbytes, regions * n)
+    ln = np.tile(table.nbytes, regions * n)
     start = np.ones((regions, n, pieces), dtype=bool)
     start[:, 1:, 0] = ~cont
     idx = np.flatnonzero(start.ravel())
@@ -397,13 +396,7 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
     groups = []
     for (pool, s_stride, d_stride, _), pairs in buckets.items():
         pairing = pairings[pairs[0][0].key]
-        table = pairing.pieces
-        joins = bool(
-            table.src[0] == 0
-            and table.dst[0] == 0
-            and table.src[-1] + table.nbytes[-1] == pairing.src_extent
-            and table.dst[-1] + table.nbytes[-1] == pairing.dst_extent
-        )
+        t = pairing.pieces
         groups.append(
             _Group(
                 pool=pool,
@@ -413,8 +406,8 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
                 src_stride=s_stride,
                 dst_stride=d_stride,
                 pairing=pairing,
-                whole=joins and table.src.size == 1,
-                joins=joins,
+                src_span=np.uint64(t.src[-1] + t.nbytes[-1] - t.src[0]),
+                dst_span=np.uint64(t.dst[-1] + t.nbytes[-1] - t.dst[0]),
             )
         )
     return Plan(src, dst, groups, pairings, pages)
@@ -468,19 +461,18 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
     that is the destination's axis ``j`` (by name when both sides name them).
     """
     if not a.slot_shape and not b.slot_shape:  # one scalar per slot
-        a, b = a._replace(slot_shape=(1,)), b._replace(slot_shape=(1,))
+        a, b = a._replace(slot_shape=(1,), axes=None), b._replace(slot_shape=(1,), axes=None)
     if a.itemsize != b.itemsize:
         return f"itemsize differs: {a.itemsize} on the source, {b.itemsize} on the destination"
     if len(a.slot_shape) != len(b.slot_shape):
         return f"slot_shape {a.slot_shape} on the source, {b.slot_shape} on the destination"
     ndim = len(a.slot_shape)
-    named = a.axes is not None and b.axes is not None
+    perm, page = tuple(range(ndim)), None
     if a.axes is not None and b.axes is not None:
         if sorted(a.axes) != sorted(b.axes):
             return f"axes {a.axes} on the source, {b.axes} on the destination"
         perm = tuple(a.axes.index(name) for name in b.axes)
-    else:
-        perm = tuple(range(ndim))
+        page = a.axes.index(PAGE_AXIS) if PAGE_AXIS in a.axes else None
     inv = tuple(perm.index(i) for i in range(ndim))  # source axis i is destination axis inv[i]
     bshape = tuple(b.slot_shape[inv[i]] for i in range(ndim))
     tb = None if b.tp_axis is None else perm[b.tp_axis]
@@ -488,11 +480,11 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
         where = _axis(a, a.tp_axis), _axis(b, inv[tb])
         return f"sharded along {where[0]} on the source, {where[1]} on the destination"
     axis = a.tp_axis if a.tp_axis is not None else (tb if tb is not None else 0)
-    page = a.axes.index(PAGE_AXIS) if named and a.axes and PAGE_AXIS in a.axes else None
     ks = kd = 1
+    sharded = a.tp_axis is not None or tb is not None
     for i in range(ndim):
         na, nb = a.slot_shape[i], bshape[i]
-        if i == axis or na == nb:
+        if (sharded and i == axis) or na == nb:
             continue
         if i == page and min(na, nb) and max(na, nb) % min(na, nb) == 0:
             ks, kd = max(na // nb, 1), max(nb // na, 1)
@@ -504,7 +496,7 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
         )
     # The box one page pair spans: the shorter page, the whole of every other axis.
     box = [min(na, nb) for na, nb in zip(a.slot_shape, bshape, strict=True)]
-    if a.tp_axis is None and tb is None:  # replicated on both sides: one replica writes it all
+    if not sharded:  # replicated on both sides: one replica writes it all
         runs = [(0, box[axis], 0, 0)] if d % ts == s else []
     else:
         la, lb = _layout(a, axis, ts), _layout(b, inv[axis], td)
@@ -526,7 +518,8 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
         box[axis] = length
         dims = [(box[i], sa[i], sb[i]) for i in perm]  # destination order, outer first
         cuts.append((_collapse(dims, a.itemsize), s_at * sa[axis], d_at * sb[axis]))
-    count = sum(math.prod(n for n, _, _ in grid) for (_, grid), _, _ in cuts) * max(ks, kd)
+    # Bounded before anything is allocated; coverage walks every destination page.
+    count = sum(math.prod(n for n, _, _ in grid) for (_, grid), _, _ in cuts) * kd
     if count > MAX_PIECES:
         return (
             f"one slot would need {count} pieces (more than {MAX_PIECES}): the sharded axis "
@@ -534,7 +527,6 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
             "transpose too finely; shard an outer axis"
         )
     pieces = _coalesce(*_enumerate(cuts)) if cuts else _NO_PIECES
-    s_bytes, d_bytes = math.prod(a.slot_shape) * a.itemsize, math.prod(b.slot_shape) * b.itemsize
     s_shift = box[page] * sa[page] if page is not None and ks > 1 else 0
     d_shift = box[page] * sb[page] if page is not None and kd > 1 else 0
     return _Pairing(
@@ -543,8 +535,6 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
         kd,
         s_shift,
         d_shift,
-        _extent(s_shift, ks, s_bytes),
-        _extent(d_shift, kd, d_bytes),
         _note(a, b, perm, ks, kd),
     )
 
@@ -559,13 +549,6 @@ def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
         out[i] = step
         step *= shape[i]
     return out
-
-
-def _extent(shift: int, pages: int, slot_bytes: int) -> int:
-    """Bytes one page spans if its bytes are contiguous (the page axis is outermost), else 0."""
-    if pages == 1:
-        return slot_bytes
-    return shift if shift * pages == slot_bytes else 0
 
 
 Dims = list[tuple[int, int, int]]

@@ -5,7 +5,9 @@ axis and its position, shard groups, axes not divisible by the TP size
 (overlapping shares, as GQA), empty regions, several pools and parts, TP
 sizes 1..8 on each side (3 -> 2, 2 -> 3, ...) and PP splits 1..3 on each
 side; requests have distinct destination slots and possibly repeated source
-slots, in a random order.
+slots, in a random order. With ``views`` layouts also name axes, order them
+per side and give pools page ratios (a slot holding 2..4 of the other side's
+pages), with requests paired page by page.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 from xferkit import Descriptors, coverage
 from xferkit.testing import Rank, layouts, slot_pairs, slot_requests
 from xferkit.testing.checks import byte_runs, check_descriptors, for_rank, handoff
-from xferkit.testing.strategies import INTERESTING_TP, Layout
+from xferkit.testing.strategies import INTERESTING_TP, Layout, tp_pairs
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 seeds = st.integers(0, 2**32 - 1)
@@ -67,6 +69,29 @@ def test_replicated_on_one_side_sharded_on_the_other(data: st.DataObject) -> Non
     ]
     request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
     handoff(ref, request)
+
+
+VIEW_TP = st.sampled_from([(1, 1), (2, 2), (4, 8), (8, 4), (3, 2), (2, 3), (1, 4), (4, 1)])
+
+
+@settings(SETTINGS, max_examples=60)
+@given(data=st.data())
+def test_named_axes_and_page_ratios(data: st.DataObject) -> None:
+    """Each side lays its axes out in its own order (NHD on one, HND on the other, any
+    permutation) and a pool's slots may hold 2..4 times the other side's pages: the i-th
+    source page lands in its destination slot's i-th token block, the last slot in part."""
+    layout = data.draw(layouts(max_pp=1, tp=VIEW_TP | tp_pairs(8), views=True))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots, layout.pages))
+    handoff(layout.reference(seed=data.draw(seeds)), request)
+
+
+@settings(SETTINGS, max_examples=40)
+@given(data=st.data())
+def test_page_ratios_every_region_sharded(data: st.DataObject) -> None:
+    """Page ratios and reordered axes with every region sharded and non-empty, unequal TP."""
+    layout = data.draw(layouts(max_pp=1, tp=VIEW_TP, views=True, empty=False, sharded=True))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots, layout.pages))
+    handoff(layout.reference(seed=data.draw(seeds)), request)
 
 
 @settings(SETTINGS, max_examples=50)

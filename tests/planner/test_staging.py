@@ -52,6 +52,25 @@ def test_unequal_tp_every_region_sharded(data: st.DataObject) -> None:
     staged_handoff(ref, request, force=data.draw(FORCES), capacity=_largest_slot(ref))
 
 
+@settings(SETTINGS, max_examples=50)
+@given(data=st.data())
+def test_staged_handoff_with_named_axes_and_page_ratios(data: st.DataObject) -> None:
+    """Per-side axis orders and page ratios, staging forced or chosen by the cost model,
+    staging from one slot's worth upwards (several rounds now and then)."""
+    tp = st.sampled_from([(4, 8), (8, 4), (3, 2), (2, 3), (1, 1), (2, 2), (1, 4), (4, 1)])
+    layout = data.draw(layouts(max_pp=1, tp=tp, views=True))
+    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots, layout.pages))
+    capacity = _largest_slot(ref) * data.draw(st.integers(1, 3)) + data.draw(st.integers(0, 64))
+    staged_handoff(
+        ref,
+        request,
+        force=data.draw(st.sampled_from([None, "staged"])),
+        descriptor_bytes=data.draw(st.integers(0, 1 << 12)),
+        capacity=capacity,
+    )
+
+
 # -- the shapes engines use: NHD and HND pages of a GQA layer set ------------------------
 
 HEADS, DIM, PAGE, PAGES = 8, 32, 16, 12

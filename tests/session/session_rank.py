@@ -19,7 +19,7 @@ import numpy as np
 
 import xferkit as xk
 from xferkit.session import Receive, Send, Session, SessionKeys
-from xferkit.testing import Reference, gdn_hybrid
+from xferkit.testing import Reference, RegionSpec, gdn_hybrid
 
 Slots = dict[str, list[int]]
 
@@ -38,6 +38,7 @@ class Setup(msgspec.Struct, tag=True):
     group: str = ""  # the session address of the rank serving this rank's group roster
     layers: int = 4  # gdn_hybrid layers: more layers, more descriptors per request
     slots: dict[str, int] = {}  # slots per pool, both sides (default SLOTS)
+    views: bool = False  # KV pages NHD on prefill, HND of twice the tokens on decode (VIEWS)
 
 
 class Expect(msgspec.Struct, tag=True):
@@ -127,12 +128,28 @@ BACKENDS: dict[str, dict[str, Any]] = {
 """Every driver a rank can run on this machine, with the options it opens with (``Setup``)."""
 
 
+def _views(spec: RegionSpec) -> RegionSpec:
+    """KV pages ``[token, head, dim]`` on prefill, ``[head, token, dim]`` of two prefill pages
+    on decode: what the planner cannot move without a transposition and a page map."""
+    if spec.pool != "kv":
+        return spec
+    return msgspec.structs.replace(
+        spec, axes=(xk.PAGE_AXIS, "head", "dim"), dst_order=(1, 0, 2), dst_pages=2
+    )
+
+
 def reference(
-    src_tp: int, dst_tp: int, seed: int, layers: int = 4, slots: dict[str, int] | None = None
+    src_tp: int,
+    dst_tp: int,
+    seed: int,
+    layers: int = 4,
+    slots: dict[str, int] | None = None,
+    views: bool = False,
 ) -> Reference:
     counts = slots or SLOTS
+    specs = gdn_hybrid(layers)
     return Reference(
-        gdn_hybrid(layers),
+        [_views(s) for s in specs] if views else specs,
         src_tp=src_tp,
         dst_tp=dst_tp,
         src_slots=counts,
@@ -165,7 +182,7 @@ def serve() -> None:
             if isinstance(cmd, Quit):
                 break
             if isinstance(cmd, Setup):
-                ref = reference(cmd.src_tp, cmd.dst_tp, cmd.seed, cmd.layers, cmd.slots)
+                ref = reference(cmd.src_tp, cmd.dst_tp, cmd.seed, cmd.layers, cmd.slots, cmd.views)
                 index = cmd.index
                 rank = (ref.srcs if cmd.role == "src" else ref.dsts)[index]
                 keys = None if cmd.keys is None else SessionKeys(*cmd.keys)

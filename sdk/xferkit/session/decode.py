@@ -336,7 +336,8 @@ class DecodeSide(Core):
                     chunk = {}
                     for pool, (first, count, sources) in r.at.items():
                         dst = rec.slots[pool][first : first + count]
-                        if dst.size != count or sources > count * up.staged.plan.pages(pool)[1]:
+                        pages = up.staged.plan.pages(pool) or (1, 1)
+                        if dst.size != count or sources > count * pages[1]:
                             raise PlanError(
                                 f"slots [{first}, +{count}) of pool {pool!r} from {sources}"
                             )

@@ -242,11 +242,12 @@ class PrefillSide(StagedWrites):
         for pool, src in slots.items():
             have = dst.slots.get(pool, _NONE)
             at = dst.cursor.get(pool, 0)
-            count, problem = _dst_count(src.size, dst.down.plan.pages(pool), last)
+            pages = dst.down.plan.pages(pool) or (1, 1)
+            count, problem = _dst_count(src.size, pages, last)
             room = have.size - at
             if not problem and count > room:
                 problem = f"{dst.down.where()} has {room} destination slots left"
-                if count - room < dst.down.plan.pages(pool)[0]:
+                if count - room < pages[0]:
                     count, problem = room, ""  # the last source slot's pages nobody asked for
             if problem:
                 detail = f"a chunk names {src.size} slots of pool {pool!r}: {problem}"

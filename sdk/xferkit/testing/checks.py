@@ -19,7 +19,7 @@ from ..descriptors import Descriptors
 from ..manifest import Manifest
 from ..planner import coverage
 from ..staging import Force, stage
-from .reference import Reference, WriteCounter, execute
+from .reference import Reference, WriteCounter, execute, page_pairs
 
 Request = Mapping[str, tuple[object, object]]
 """A model-wide request: ``{pool: (source slots, destination slots)}``."""
@@ -106,11 +106,17 @@ def check_descriptors(descs: Descriptors, src: Manifest, dst: Manifest) -> None:
 
 
 def requested_bytes(ref: Reference, dst_index: int, request: Request) -> int:
-    """Bytes the reference says a destination rank receives: its shard of each requested slot."""
+    """Bytes the reference says a destination rank receives: its shard of each requested page.
+
+    A destination slot of ``dst_pages`` model pages receives as many of them as
+    the request pairs (``page_pairs``), each ``1 / dst_pages`` of its slot.
+    """
     total = 0
     for key, array in ref.dsts[dst_index].arrays.items():
         if array.size and key[0] in request:
-            total += len(np.asarray(request[key[0]][1])) * array[0].nbytes
+            spec = ref.by_key[key]
+            pages = len(page_pairs(spec, *request[key[0]])[0])
+            total += pages * array[0].nbytes // spec.dst_pages
     return total
 
 

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 import msgspec
 import numpy as np
 from hypothesis import strategies as st
 
-from ..manifest import Region
+from ..manifest import PAGE_AXIS, Region
 from .reference import Reference, RegionSpec
 
 POOLS = ("kv", "state", "aux")
 NAMES = ("k", "v", "conv", "temporal")
+AXIS_NAMES = ("head", "dim", "x")
+"""Names of the axes other than ``PAGE_AXIS`` that ``region_specs(views=True)`` draws."""
+
+RATIOS = ((1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (3, 1), (4, 1))
+"""(source, destination) pages a slot holds of the smaller page: one side 1, the other 1..4."""
 
 # Pairs worth meeting often: gathers, scatters and ratios that are not whole numbers.
 INTERESTING_TP = ((1, 1), (2, 2), (3, 2), (2, 3), (4, 8), (8, 4), (1, 8), (8, 1), (4, 6), (6, 4))
@@ -35,6 +41,8 @@ class Layout(NamedTuple):
     dst_pp: int
     src_slots: Mapping[str, int]
     dst_slots: Mapping[str, int]
+    pages: Mapping[str, tuple[int, int]] = MappingProxyType({})
+    """Per pool (source, destination) pages a slot holds of the smaller page; absent: (1, 1)."""
 
     def reference(self, seed: int = 0) -> Reference:
         return Reference(
@@ -67,6 +75,9 @@ def region_specs(
     tp_sizes: Sequence[int],
     empty: bool | None = None,
     sharded: bool | None = None,
+    views: bool = False,
+    token: bool | None = None,
+    pages: tuple[int, int] = (1, 1),
 ) -> RegionSpec:
     """One region's global slot shape and sharding, valid for every TP size in ``tp_sizes``.
 
@@ -75,6 +86,11 @@ def region_specs(
     split into shard groups divisible by every TP size. ``empty`` forces (True)
     or forbids (False) a zero dimension, ``sharded`` a sharded axis; None lets
     hypothesis choose.
+
+    ``views`` names the axes (now and then not) and lays each side out in its
+    own random order; ``token`` forces (True) or forbids (False) an unsharded
+    ``PAGE_AXIS`` of 1..3 tokens (None: hypothesis chooses), whose slots hold
+    ``pages`` = (source, destination) model pages (needs ``token``).
     """
     itemsize = draw(st.sampled_from((1, 2, 4)))
     ndim = draw(st.integers(1 if sharded else 0, 3))
@@ -96,13 +112,13 @@ def region_specs(
         empty = ndim > 0 and draw(st.integers(0, 5)) == 5
     if empty:
         # A zero on the sharded axis would contradict the shard groups.
-        axes = [i for i in range(ndim) if groups is None or i != tp_axis]
-        if not axes:
+        zeroable = [i for i in range(ndim) if groups is None or i != tp_axis]
+        if not zeroable:
             shape.append(0)
             ndim += 1
-            axes = [ndim - 1]
-        shape[draw(st.sampled_from(axes))] = 0
-    return RegionSpec(
+            zeroable = [ndim - 1]
+        shape[draw(st.sampled_from(zeroable))] = 0
+    spec = RegionSpec(
         pool=pool,
         name=name,
         layer=layer,
@@ -111,6 +127,37 @@ def region_specs(
         itemsize=itemsize,
         tp_axis=tp_axis,
         tp_groups=groups,
+    )
+    return draw(_views(spec, token, pages)) if views else spec
+
+
+@st.composite
+def _views(
+    draw: st.DrawFn, spec: RegionSpec, token: bool | None, pages: tuple[int, int]
+) -> RegionSpec:
+    """``spec`` with named axes, maybe a token axis inserted, and each side's own order."""
+    shape, tp_axis = list(spec.shape), spec.tp_axis
+    if token is None:
+        token = draw(st.booleans())
+    if not token and pages == (1, 1) and draw(st.integers(0, 3)) == 0:
+        return spec  # unnamed: both sides pair positionally
+    names = list(draw(st.permutations(AXIS_NAMES))[: len(shape)])
+    if token:
+        at = draw(st.integers(0, len(shape)))
+        shape.insert(at, draw(st.integers(1, 3)))
+        names.insert(at, PAGE_AXIS)
+        if tp_axis is not None and tp_axis >= at:
+            tp_axis += 1
+    ndim = len(shape)
+    return msgspec.structs.replace(
+        spec,
+        shape=tuple(shape),
+        tp_axis=tp_axis,
+        axes=tuple(names),
+        src_order=tuple(draw(st.permutations(range(ndim)))),
+        dst_order=tuple(draw(st.permutations(range(ndim)))),
+        src_pages=pages[0],
+        dst_pages=pages[1],
     )
 
 
@@ -130,14 +177,22 @@ def layouts(
     tp: st.SearchStrategy[tuple[int, int]] | None = None,
     empty: bool | None = None,
     sharded: bool | None = None,
+    views: bool = False,
 ) -> Layout:
     """A random model split over random TP sizes and pipeline stages on both sides.
 
     ``tp`` draws the (source, destination) TP sizes (default ``tp_pairs(max_tp)``);
     ``empty`` and ``sharded`` are passed to ``region_specs`` for every region.
+    ``views`` names axes and orders each side its own way, and gives each pool a
+    page ratio (``Layout.pages``, from ``RATIOS``): in a pool whose ratio is not
+    (1, 1) every region has a token axis; the side of the smaller page gets up
+    to k times ``max_slots`` slots when the other's slot holds k of its pages.
     """
     src_tp, dst_tp = draw(tp if tp is not None else tp_pairs(max_tp))
     keys = draw(st.lists(_keys, min_size=1, max_size=max_regions, unique=True))
+    pools = sorted({k[0] for k in keys})
+    ratios = st.just(RATIOS[0]) | st.sampled_from(RATIOS[1:])  # half the pools 1:1
+    pages = {p: draw(ratios) for p in pools} if views else {}
     specs = tuple(
         draw(
             region_specs(
@@ -148,28 +203,37 @@ def layouts(
                 tp_sizes=(src_tp, dst_tp),
                 empty=empty,
                 sharded=sharded,
+                views=views,
+                token=None if pages.get(pool, (1, 1)) == (1, 1) else True,
+                pages=pages.get(pool, (1, 1)),
             )
         )
         for pool, name, layer, part in keys
     )
-    pools = sorted({s.pool for s in specs})
     return Layout(
         specs=specs,
         src_tp=src_tp,
         dst_tp=dst_tp,
         src_pp=draw(st.integers(1, max_pp)),
         dst_pp=draw(st.integers(1, max_pp)),
-        src_slots={p: draw(st.integers(1, max_slots)) for p in pools},
-        dst_slots={p: draw(st.integers(1, max_slots)) for p in pools},
+        src_slots={p: draw(st.integers(1, max_slots * pages.get(p, (1, 1))[1])) for p in pools},
+        dst_slots={p: draw(st.integers(1, max_slots * pages.get(p, (1, 1))[0])) for p in pools},
+        pages=pages,
     )
 
 
 @st.composite
-def slot_pairs(draw: st.DrawFn, src_slots: int, dst_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """(source slots, destination slots) for one pool: distinct destinations, sources may repeat.
+def slot_pairs(
+    draw: st.DrawFn, src_slots: int, dst_slots: int, src_pages: int = 1, dst_pages: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source slots, destination slots) for one pool: distinct destinations, sources may repeat
+    (not where pages differ).
 
     Runs of consecutive slots on both sides are frequent (they must coalesce);
-    the pairs come in a random order (expand must not care).
+    the pairs come in a random order (expand must not care). With
+    ``dst_pages = k > 1`` (a destination slot holds k source slots' pages) the
+    i-th source slot goes to destination ``i // k``, and the last destination
+    slot may be filled only in part; ``src_pages = k > 1`` the other way round.
     """
     n = draw(st.integers(1, dst_slots + 1)) % (dst_slots + 1)  # now and then none at all
     if draw(st.booleans()):
@@ -177,28 +241,49 @@ def slot_pairs(draw: st.DrawFn, src_slots: int, dst_slots: int) -> tuple[np.ndar
         dst = list(range(start, start + n))
     else:
         dst = draw(st.permutations(range(dst_slots)))[:n]
-    if n <= src_slots and draw(st.booleans()):
-        start = draw(st.integers(0, src_slots - n))
-        src = list(range(start, start + n))
+    # Fine slots per coarse slot of each side (the pages a slot holds of the smaller page).
+    ks, kd = max(src_pages // dst_pages, 1), max(dst_pages // src_pages, 1)
+    # Several sources a destination: the last one maybe in part; else as many as dst needs.
+    m = draw(st.integers((n - 1) * kd + 1, n * kd)) if kd > 1 and n else -(-n // ks)
+    if (ks > 1 or kd > 1) and m > src_slots:  # distinct sources (below): as many as there are
+        m = src_slots
+        n = -(-m // kd) if kd > 1 else min(n, m * ks)
+        dst = dst[:n]
+    if m <= src_slots and draw(st.booleans()):
+        start = draw(st.integers(0, src_slots - m))
+        src = list(range(start, start + m))
+    elif ks == kd == 1:
+        src = draw(st.lists(st.integers(0, src_slots - 1), min_size=m, max_size=m))
     else:
-        src = draw(st.lists(st.integers(0, src_slots - 1), min_size=n, max_size=n))
-    order = draw(st.permutations(range(n)))
-    return (
-        np.array([src[i] for i in order], dtype=np.int64),
-        np.array([dst[i] for i in order], dtype=np.int64),
-    )
+        # Distinct: a page copied twice into one slot could merge with its own other half
+        # (descriptors minimal only up to that), and no engine repeats a page it splits.
+        src = draw(st.permutations(range(src_slots)))[:m]
+    # Shuffle whole groups (one coarse slot and its fine ones); a part-filled group stays last.
+    groups = max(-(-m // kd), -(-n // ks))
+    full = groups - (m % kd != 0 or n % ks != 0)
+    order = [*draw(st.permutations(range(full))), *range(full, groups)]
+    src = [src[j] for g in order for j in range(g * kd, min((g + 1) * kd, m))]
+    dst = [dst[j] for g in order for j in range(g * ks, min((g + 1) * ks, n))]
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
 
 
 @st.composite
 def slot_requests(
-    draw: st.DrawFn, src_slots: Mapping[str, int], dst_slots: Mapping[str, int]
+    draw: st.DrawFn,
+    src_slots: Mapping[str, int],
+    dst_slots: Mapping[str, int],
+    pages: Mapping[str, tuple[int, int]] | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """A request: for some of the pools both sides have, (source, destination) slot indices."""
+    """A request: for some of the pools both sides have, (source, destination) slot indices.
+
+    ``pages`` gives each pool's (source, destination) pages a slot (``Layout.pages``).
+    """
     out = {}
     for pool in sorted(set(src_slots) & set(dst_slots)):
         if draw(st.integers(0, 4)) == 4:  # a pool left out is not transferred
             continue
-        out[pool] = draw(slot_pairs(src_slots[pool], dst_slots[pool]))
+        ratio = (pages or {}).get(pool, (1, 1))
+        out[pool] = draw(slot_pairs(src_slots[pool], dst_slots[pool], *ratio))
     return out
 
 

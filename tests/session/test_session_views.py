@@ -1,0 +1,82 @@
+"""Different layouts and page sizes on the two sides, through Sessions, every rank in its own
+process: KV pages NHD of 8 tokens on prefill, HND of 16 tokens on decode (``session_rank``'s
+``views``), so each decode slot takes two prefill slots and the heads are transposed.
+
+Runs direct and staged (every group through small slices), on every driver; each decode rank
+checks every byte it holds against the reference model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from session_rank import BACKENDS, Check, Expect, Offer, RankProcess, Setup, Wait, Write, start
+from test_session_e2e import STAGING
+
+
+class Cluster:
+    def __init__(self, procs: list[RankProcess], src_tp: int) -> None:
+        self.pre = procs[:src_tp]
+        self.dec = procs[src_tp:]
+        self.sources = [p.address for p in self.pre]
+
+
+RUNS = (((2, 4), "never"), ((4, 2), "staged"))  # (prefill TP, decode TP), staging
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(b, t, s) for b in sorted(BACKENDS) for t, s in RUNS],
+    ids=lambda p: f"{p[0]}-tp{p[1][0]}to{p[1][1]}-{p[2]}",
+)
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    name, (src_tp, dst_tp), staging = request.param
+    options, session = BACKENDS[name], STAGING[staging]
+    setups = [
+        Setup("src", i, src_tp, dst_tp, name, options, session=session, views=True)
+        for i in range(src_tp)
+    ]
+    setups += [
+        Setup("dst", i, src_tp, dst_tp, name, options, session=session, views=True)
+        for i in range(dst_tp)
+    ]
+    procs = start(setups)
+    yield Cluster(procs, src_tp)
+    for p in procs:
+        p.close()
+
+
+def test_two_prefill_pages_per_decode_page_transposed_byte_exact(cluster: Cluster) -> None:
+    """Five prefill pages in two chunks fill three decode pages, the last one half (its second
+    half keeps its bytes: the reference model checks every byte of every decode slot)."""
+    rid = "views"
+    dst = {"kv": [5, 9, 2], "state": [6]}
+    for d in cluster.dec:
+        d.ok(Expect(rid, cluster.sources, dst))
+    for p in cluster.pre:
+        p.ok(Offer(rid))
+        p.ok(Write(rid, {"kv": [0, 1, 2, 3], "state": [3]}))
+        p.ok(Write(rid, {"kv": [4]}, last=True))
+    for r in cluster.pre + cluster.dec:
+        reply = r.ok(Wait(rid))
+        assert reply.state == "DONE", reply.error
+    for d in cluster.dec:
+        d.ok(Check({"kv": ([0, 1, 2, 3, 4], dst["kv"]), "state": ([3], dst["state"])}))
+
+
+def test_a_chunk_ending_inside_a_decode_page_fails_naming_the_pool(cluster: Cluster) -> None:
+    """A decode page holding two prefill pages is written by one chunk: a chunk of three that is
+    not the last would leave the page's second half to a later one."""
+    rid = "split-page"
+    for d in cluster.dec:
+        d.ok(Expect(rid, cluster.sources, {"kv": [20, 21]}))
+    for p in cluster.pre:
+        p.ok(Offer(rid))
+    cluster.pre[0].ok(Write(rid, {"kv": [10, 11, 12]}))
+    reply = cluster.pre[0].ok(Wait(rid))
+    assert (reply.state, reply.stage) == ("FAILED", "plan"), reply
+    assert "pool 'kv'" in reply.error and "multiple of 2" in reply.error
+    for r in cluster.pre[1:] + cluster.dec:
+        other = r.ok(Wait(rid))
+        assert other.state == "FAILED" and "multiple of 2" in other.error, other
