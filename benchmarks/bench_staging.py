@@ -56,6 +56,7 @@ VIEWS = [  # layouts no contiguous-byte plan moves cheaply: --views
     ("4 -> 8 NHD>HND staged", 4, 8, ("NHD", PAGE), ("HND", PAGE), "auto"),
     ("8 -> 8 HND p16>p64", 8, 8, ("HND", 16), ("HND", PAGE), "auto"),
     ("8 -> 8 NHD p16>p64", 8, 8, ("NHD", 16), ("NHD", PAGE), "auto"),
+    ("8 -> 8 HND p64>p16", 8, 8, ("HND", PAGE), ("HND", 16), "auto"),
     ("4 -> 8 NHD p16>HND p64", 4, 8, ("NHD", 16), ("HND", PAGE), "auto"),
     ("8 -> 4 HND p64>NHD p16", 8, 4, ("HND", PAGE), ("NHD", 16), "auto"),
 ]

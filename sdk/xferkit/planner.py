@@ -68,13 +68,16 @@ class _Group(NamedTuple):
 
 
 class Pairs(NamedTuple):
-    """A request's page pairs for one pool, sorted by destination: slot indices and the page
-    within each slot (None when every slot is one page)."""
+    """A request's page pairs for one pool, sorted by destination: slot indices, the page
+    within each slot (None when every slot is one page) and which pair of the request, in the
+    caller's order, each is (None: that order already). Both sides of a Session know the
+    caller's order, not the other's slots."""
 
     src: np.ndarray
     dst: np.ndarray
     src_page: np.ndarray | None
     dst_page: np.ndarray | None
+    order: np.ndarray | None
 
     def offsets(self, g: _Group) -> tuple[np.ndarray, np.ndarray]:
         """Byte offset of each pair's page within ``g``'s regions, on both sides."""
@@ -192,7 +195,7 @@ class Plan:
         dst = _indices(dst_raw, pool, "destination", self.dst_slots.get(pool))
         pages = self._pages.get(pool)
         if pages is None:  # nothing of the pool moves here: its slots pair with nothing
-            return Pairs(src[:0], dst[:0], None, None)
+            return Pairs(src[:0], dst[:0], None, None, None)
         ks, kd = pages
         if ks == kd == 1:
             if src.shape != dst.shape:
@@ -201,7 +204,7 @@ class Plan:
                     subject=pool,
                 )
             if dst.size <= 1:  # one slot (a decode step's page): nothing to order or join
-                return Pairs(src, dst, None, None)
+                return Pairs(src, dst, None, None, None)
         order = np.argsort(dst, kind="stable")
         ordered = dst[order]
         same = np.flatnonzero(ordered[1:] == ordered[:-1])
@@ -211,7 +214,7 @@ class Plan:
                 subject=pool,
             )
         if ks == kd == 1:
-            return Pairs(src[order], ordered, None, None)
+            return Pairs(src[order], ordered, None, None, order)
         return _paged_pairs(pool, src, dst, ks, kd)
 
 
@@ -237,6 +240,7 @@ def _paged_pairs(pool: str, src: np.ndarray, dst: np.ndarray, ks: int, kd: int) 
         d_slot[order],
         s_page[order] if ks > 1 else None,
         d_page[order] if kd > 1 else None,
+        order,
     )
 
 

@@ -83,13 +83,20 @@ def _choose(
     dst_contig = _contiguous(p.dst, p.nbytes)
     src_contig = _contiguous(src_order.src, src_order.nbytes)
     copy = copy_cost * unit
+    # Where a slot holds k pages of the other side's and a page's range on the staged side is
+    # contiguous and as long as a page, the k wire copies of its pages join into one.
+    pair = g.pairing
+    joins = {
+        "pack": pair.dst_pages if dst_contig and unit == pair.dst_shift else 1,
+        "unpack": pair.src_pages if src_contig and unit == pair.src_shift else 1,
+    }
     costs: dict[Path, float] = {"direct": count * descriptor_bytes, "both": 2 * copy}
     if dst_contig:
-        costs["pack"] = descriptor_bytes + copy
+        costs["pack"] = descriptor_bytes / joins["pack"] + copy
     if src_contig:
-        costs["unpack"] = descriptor_bytes + copy
-    note = f"{g.pairing.note}; " if g.pairing.note else ""
-    if count == 1 and force is None:
+        costs["unpack"] = descriptor_bytes / joins["unpack"] + copy
+    note = f"{pair.note}; " if pair.note else ""
+    if count == 1 and force is None and joins["pack"] == joins["unpack"] == 1:
         return Route("direct", f"{note}one piece of {unit} bytes per page: nothing to gather"), p
     if force in PATHS:
         path: Path = force if force in costs else "both"  # type: ignore[assignment]
@@ -166,8 +173,17 @@ class StagedPlan:
                 raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
         slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
         direct = self.plan._expand(slots, self._direct)
-        parts = [(s, slots[s.group.pool]) for s in self._staged if s.group.pool in slots]
-        parts = [(s, sl) for s, sl in parts if sl.src.size]
+        parts: list[tuple[_Staged, Pairs]] = []
+        requested: dict[str, Pairs] = {}
+        for s in self._staged:
+            pairs = slots.get(s.group.pool)
+            if pairs is None or not pairs.src.size:
+                continue
+            if s.path == "unpack":
+                if s.group.pool not in requested:
+                    requested[s.group.pool] = _in_request_order(pairs)
+                pairs = requested[s.group.pool]
+            parts.append((s, pairs))
         for s, _ in parts:
             for side, cap, used in (
                 ("source", src_capacity, s.src_side),
@@ -241,6 +257,24 @@ class StagedRequest(NamedTuple):
     @property
     def dst_bytes(self) -> int:
         return max((r.dst_bytes for r in self.rounds), default=0)
+
+
+def _in_request_order(pairs: Pairs) -> Pairs:
+    """``pairs`` in the caller's order: an unpacked group's wire copies land in consecutive
+    staging blocks, so they join where the source's pages follow each other in the request
+    (the short pages of one long source slot, a prefill's run of slots) rather than where the
+    destination's do. Both sides know that order; the source's slots only the source."""
+    if pairs.order is None:
+        return pairs
+    back = np.empty_like(pairs.order)
+    back[pairs.order] = np.arange(pairs.order.size)
+    return Pairs(
+        pairs.src[back],
+        pairs.dst[back],
+        None if pairs.src_page is None else pairs.src_page[back],
+        None if pairs.dst_page is None else pairs.dst_page[back],
+        None,
+    )
 
 
 def _rounds(parts: list[tuple[_Staged, Pairs]], src_cap: int, dst_cap: int) -> list[Round]:

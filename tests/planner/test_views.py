@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from xferkit import PAGE_AXIS, PlanError, coverage, plan
+from xferkit.staging import stage
 from xferkit.testing import Rank, Reference, RegionSpec, handoff, requested_bytes, staged_handoff
 from xferkit.testing.reference import page_pairs
 
@@ -358,3 +359,39 @@ def test_a_rank_pair_without_the_paged_pool_moves_nothing_of_it(stages: str) -> 
         dst_pp=2 if stages == "destination" else 1,
     )
     handoff(ref, {"kv": ([0, 1, 2, 3, 4], [1, 0]), "state": ([1], [0])})
+
+
+@pytest.mark.parametrize(
+    ("layout", "pages", "path"),
+    [("HND", (1, 4), "pack"), ("HND", (4, 1), "unpack"), ("NHD", (1, 4), "pack")],
+)
+def test_short_pages_gathered_into_a_long_one_send_one_wire_copy_a_long_page(
+    layout: str, pages: tuple[int, int], path: str
+) -> None:
+    """Equal TP 8 -> 8, pages of 16 tokens on one side and 64 on the other, random slots: one
+    piece a short page, so four wire descriptors a long page direct. Where a descriptor costs
+    more than copying a long page, the cost model stages the short pages on their side so that
+    the wire copies join into one a long page; where it costs little, it stays direct."""
+
+    def ref_of() -> Reference:
+        specs = llama(layout, layout, src_pages=pages[0], dst_pages=pages[1], layers=1)
+        return Reference(specs, src_tp=8, dst_tp=8, src_slots={"kv": 32}, dst_slots={"kv": 32})
+
+    long_pages = [3, 9, 1, 14, 7, 20]  # none consecutive: each is its own wire copy
+    short = np.random.default_rng(0).permutation(32)[:24].tolist()
+    request = {"kv": (long_pages, short) if pages[0] > 1 else (short, long_pages)}
+    ref = ref_of()
+    p = plan(ref.srcs[0].manifest, ref.dsts[0].manifest)
+    # A 16-token page of one head is 256 bytes here: a descriptor worth 2,000 bytes is 500
+    # a short page when four join, and copying the page costs 1,024 (copy_cost 4).
+    costly = dict(descriptor_bytes=2000, copy_cost=4.0)
+    assert {r.path for r in stage(p, **costly).routes.values()} == {path}  # type: ignore[arg-type]
+    cheap = stage(p, descriptor_bytes=200, copy_cost=4.0)
+    assert {r.path for r in cheap.routes.values()} == {"direct"}
+    regions = 2
+    direct = handoff(ref_of(), request)
+    staged = staged_handoff(ref_of(), request, force=None, **costly)  # type: ignore[arg-type]
+    assert set(direct) == set(staged) == set(range(8))
+    for di in direct:
+        assert direct[di] == {di: 24 * regions}, direct[di]
+        assert staged[di] == {di: 6 * regions}, staged[di]

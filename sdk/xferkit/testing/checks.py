@@ -18,7 +18,7 @@ import numpy as np
 from ..descriptors import Descriptors
 from ..manifest import Manifest
 from ..planner import coverage
-from ..staging import Force, stage
+from ..staging import COPY_COST, Force, stage
 from .reference import Reference, WriteCounter, execute, page_pairs
 
 Request = Mapping[str, tuple[object, object]]
@@ -167,6 +167,7 @@ def staged_handoff(
     *,
     force: Force = "staged",
     descriptor_bytes: int = 4096,
+    copy_cost: float = COPY_COST,
     capacity: int = 1 << 20,
     copy: Callable[[Descriptors], object] = execute,
 ) -> dict[int, dict[int, int]]:
@@ -192,23 +193,30 @@ def staged_handoff(
         cov = coverage(srcs, rank.manifest)
         counts[di] = {}
         for si in cov.sources:
-            staged = stage(cov.plans[si], descriptor_bytes=descriptor_bytes, force=force)
+            staged = stage(
+                cov.plans[si], descriptor_bytes=descriptor_bytes, copy_cost=copy_cost, force=force
+            )
             out = staged.expand(wanted, src_capacity=capacity, dst_capacity=capacity)
+            # The destination cuts its rounds knowing how many source slots, not which.
+            blind = {p: (np.zeros(np.size(s), dtype=np.int64), d) for p, (s, d) in wanted.items()}
+            dst_rounds = staged.expand(blind, src_capacity=capacity, dst_capacity=capacity).rounds
+            assert len(dst_rounds) == len(out.rounds)
             check_descriptors(out.direct, srcs[si], rank.manifest)
             counter.record(out.direct)
             execute(out.direct)
             wires = len(out.direct)
-            for r in out.rounds:
+            for r, seen in zip(out.rounds, dst_rounds, strict=True):
                 assert r.src_bytes <= capacity and r.dst_bytes <= capacity, r
                 src_stage[:] = rng.integers(0, 256, src_stage.size, dtype=np.uint8)
                 dst_stage[:] = rng.integers(0, 256, dst_stage.size, dtype=np.uint8)
                 copies = r.expand(src_stage.ctypes.data, dst_stage.ctypes.data)
                 copy(copies.pack)
                 execute(copies.wire)
-                copy(copies.unpack)
+                unpack = seen.expand(src_stage.ctypes.data, dst_stage.ctypes.data).unpack
+                copy(unpack)
                 landed = rank.manifest.locate(copies.wire.dst, copies.wire.nbytes) >= 0
                 counter.record(_select(copies.wire, landed))
-                counter.record(copies.unpack)
+                counter.record(unpack)
                 wires += len(copies.wire)
             counts[di][si] = wires
         ref.check(di, wanted)
