@@ -198,7 +198,9 @@ def staged_handoff(
             )
             out = staged.expand(wanted, src_capacity=capacity, dst_capacity=capacity)
             # The destination cuts its rounds knowing how many source slots, not which.
-            blind = {p: (np.zeros(np.size(s), dtype=np.int64), d) for p, (s, d) in wanted.items()}
+            blind = {
+                p: (np.zeros(np.asarray(s).size, dtype=np.int64), d) for p, (s, d) in wanted.items()
+            }
             dst_rounds = staged.expand(blind, src_capacity=capacity, dst_capacity=capacity).rounds
             assert len(dst_rounds) == len(out.rounds)
             check_descriptors(out.direct, srcs[si], rank.manifest)
