@@ -521,6 +521,9 @@ def _frozen(values: list[int]) -> np.ndarray:
 MAX_TP_SIZE = 4096
 """Largest TP size a manifest may claim: planning costs grow with it, and a peer sends it."""
 
+MAX_AXES = 64
+"""Most axes a slot may have (numpy's own limit): planning walks them, and a peer sends them."""
+
 
 def _validate(m: Manifest) -> None:
     for field in ("tp_rank", "tp_size"):
@@ -563,6 +566,8 @@ def _validate_region(r: Region, tp_size: int) -> None:
 
     if r.itemsize <= 0:
         raise fail(f"itemsize {r.itemsize} must be positive")
+    if len(r.slot_shape) > MAX_AXES:
+        raise fail(f"slot_shape has {len(r.slot_shape)} axes, more than {MAX_AXES}")
     if any(n < 0 for n in r.slot_shape):
         raise fail(f"slot_shape {r.slot_shape} has a negative size")
     if r.nbytes <= 0:

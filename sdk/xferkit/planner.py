@@ -475,9 +475,12 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
     if a.axes is not None and b.axes is not None:
         if sorted(a.axes) != sorted(b.axes):
             return f"axes {a.axes} on the source, {b.axes} on the destination"
-        perm = tuple(a.axes.index(name) for name in b.axes)
-        page = a.axes.index(PAGE_AXIS) if PAGE_AXIS in a.axes else None
-    inv = tuple(perm.index(i) for i in range(ndim))  # source axis i is destination axis inv[i]
+        where = {name: i for i, name in enumerate(a.axes)}
+        perm = tuple(where[name] for name in b.axes)
+        page = where.get(PAGE_AXIS)
+    inv = [0] * ndim  # source axis i is destination axis inv[i]
+    for j, i in enumerate(perm):
+        inv[i] = j
     bshape = tuple(b.slot_shape[inv[i]] for i in range(ndim))
     tb = None if b.tp_axis is None else perm[b.tp_axis]
     if a.tp_axis is not None and tb is not None and a.tp_axis != tb:

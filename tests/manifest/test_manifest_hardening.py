@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import xferkit as xk
-from xferkit.manifest import MAX_TP_SIZE
+from xferkit.manifest import MAX_AXES, MAX_TP_SIZE
 
 
 def _region(**over: object) -> xk.Region:
@@ -68,6 +68,8 @@ def test_object_arrays_are_refused() -> None:
         ("tp_axis", "0"),
         ("tp_groups", 3),
         ("itemsize", 2.5),
+        ("axes", "token"),
+        ("axes", ("token", 3)),
     ],
 )
 def test_field_types_are_checked_when_built(field: str, value: object) -> None:
@@ -189,3 +191,26 @@ def test_plan_and_coverage_check_their_arguments(bad: object) -> None:
         xk.coverage([bad], m)  # type: ignore[list-item]
     with pytest.raises(xk.PlanError):
         xk.plan(m, m).expand(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "axes", [("token",) * 2, ("token",), ("token", "head", "dim"), ("token", ""), ()]
+)
+def test_axes_name_each_axis_once(axes: tuple[str, ...]) -> None:
+    """A name twice, a missing or extra name, an empty one: pairing by name would guess."""
+    with pytest.raises(xk.ManifestError, match="axes"):
+        xk.Manifest.build([_region(nbytes=128, slot_shape=(8, 8), itemsize=2, axes=axes)])
+
+
+def test_a_slot_of_more_axes_than_numpy_allows_is_refused() -> None:
+    """A peer's region of a million unit axes would cost the planner per axis (and per pair of
+    axes, where it pairs them by name); numpy stops at 64 axes, so do manifests."""
+    shape = (1,) * (MAX_AXES + 1)
+    with pytest.raises(xk.ManifestError, match=f"more than {MAX_AXES}"):
+        xk.Manifest.build([_region(nbytes=2, slot_shape=shape)])
+    names = tuple(f"a{i}" for i in range(MAX_AXES))
+    m = xk.Manifest.build([_region(nbytes=2, slot_shape=(1,) * MAX_AXES, axes=names)])
+    flipped = xk.Manifest.build(
+        [_region(addr=0x9000, nbytes=2, slot_shape=(1,) * MAX_AXES, axes=names[::-1])]
+    )
+    assert xk.plan(m, flipped).expand({"kv": ([0], [0])}).total_bytes == 2
