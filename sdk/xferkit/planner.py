@@ -484,8 +484,8 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
     bshape = tuple(b.slot_shape[inv[i]] for i in range(ndim))
     tb = None if b.tp_axis is None else perm[b.tp_axis]
     if a.tp_axis is not None and tb is not None and a.tp_axis != tb:
-        where = _axis(a, a.tp_axis), _axis(b, inv[tb])
-        return f"sharded along {where[0]} on the source, {where[1]} on the destination"
+        sides = _axis(a, a.tp_axis), _axis(b, inv[tb])
+        return f"sharded along {sides[0]} on the source, {sides[1]} on the destination"
     axis = a.tp_axis if a.tp_axis is not None else (tb if tb is not None else 0)
     ks = kd = 1
     sharded = a.tp_axis is not None or tb is not None
