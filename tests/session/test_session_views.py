@@ -11,8 +11,23 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from session_rank import BACKENDS, Check, Expect, Offer, RankProcess, Setup, Wait, Write, start
+from session_rank import (
+    BACKENDS,
+    Check,
+    Expect,
+    Offer,
+    RankProcess,
+    Setup,
+    Wait,
+    Write,
+    _views,
+    start,
+)
 from test_session_e2e import STAGING
+
+import xferkit as xk
+from xferkit.session import Session, State
+from xferkit.testing import Reference, gdn_hybrid
 
 
 class Cluster:
@@ -80,3 +95,28 @@ def test_a_chunk_ending_inside_a_decode_page_fails_naming_the_pool(cluster: Clus
     for r in cluster.pre[1:] + cluster.dec:
         other = r.ok(Wait(rid))
         assert other.state == "FAILED" and "multiple of 2" in other.error, other
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "alike"])
+def test_a_pipeline_stage_without_a_pool_does_not_count_its_slots(views: bool) -> None:
+    """Prefill split over two stages: the first holds only recurrent state, the second only KV
+    pages (with views: NHD, half the decode's HND pages). The first never names ``kv`` slots
+    and its plan pairs no ``kv`` region: its last chunk must not count the decode rank's ``kv``
+    slots as left unwritten (it did, and failed every request through such a pipeline)."""
+    specs = [_views(s) if views else s for s in gdn_hybrid(2)]
+    slots = {"kv": 16, "state": 4}
+    ref = Reference(specs, src_tp=1, dst_tp=1, src_pp=2, src_slots=slots, dst_slots=slots)
+    stages = [Session(xk.open_backend("loopback"), r.manifest) for r in ref.srcs]
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest)
+    try:
+        request = {"kv": [7, 2] if views else [7, 2, 5], "state": [1]}
+        recv = dec.expect("pp", [s.address for s in stages], request)
+        state, kv = (s.offer("pp") for s in stages)  # each stage names only what it holds
+        state.write({"state": [2]}, last=True)
+        kv.write({"kv": [3, 4]})
+        kv.write({"kv": [9]}, last=True)
+        assert recv.wait(10) is State.DONE, recv.error
+        ref.check(0, {"kv": ([3, 4, 9], request["kv"]), "state": ([2], request["state"])})
+    finally:
+        for s in (*stages, dec):
+            s.close()

@@ -257,7 +257,11 @@ class PrefillSide(StagedWrites):
             spans[pool] = (at, count, src.size)
             dst.cursor[pool] = at + count
         if last:
-            short = [p for p, s in dst.slots.items() if dst.cursor[p] != s.size]
+            # Pools no region of this pair holds (another pipeline stage's) are not ours to fill.
+            paired = dst.down.plan.pages
+            short = [
+                p for p, s in dst.slots.items() if dst.cursor[p] != s.size and paired(p) is not None
+            ]
             if short:
                 p = short[0]
                 self._fail_send(
