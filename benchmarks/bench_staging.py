@@ -234,9 +234,15 @@ def main() -> None:
         default=True,
         help="also NHD <-> HND and pages of 16 <-> 64 tokens",
     )
+    parser.add_argument(
+        "--only", default="", help="comma-separated substrings: run the cases naming one"
+    )
     parser.add_argument("--out", default=default_out("staging"))
     a = parser.parse_args()
     table = CASES + (VIEWS if a.views else [])
+    if a.only:
+        # The first case is the equal-TP baseline every ratio is taken against: always kept.
+        table = table[:1] + [c for c in table[1:] if any(o in c[0] for o in a.only.split(","))]
     logging.basicConfig(level=logging.ERROR)
     drivers = a.drivers.split(",")
     costs = [descriptor_cost(d) for d in drivers]

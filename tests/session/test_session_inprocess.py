@@ -117,8 +117,11 @@ def test_a_prefill_rank_refuses_a_request_id_it_already_finished() -> None:
     second = _session(MockDriver(), ref.dsts[0].manifest)
     try:
         recv = dec.expect("r", [pre.address], {"kv": [1]})
-        pre.offer("r").write({"kv": [2]}, last=True)
+        send = pre.offer("r")
+        send.write({"kv": [2]}, last=True)
         assert recv.wait(5) is State.DONE
+        # Asked while the prefill rank still tracks the request or after it finished: the
+        # same refusal (it read "sent request 'r' twice" when the Request won that race).
         late = second.expect("r", [pre.address], {"kv": [3]})
         with pytest.raises(RequestError, match="already used") as info:
             late.wait(5)

@@ -173,7 +173,10 @@ class PrefillSide(StagedWrites):
             )
         rec = self._sends.get(msg.rid)
         if problem is None and rec is not None and msg.dst_rank in rec.dsts:
-            problem = f"decode rank {msg.dst_rank} sent request {msg.rid!r} twice"
+            problem = (
+                f"request id {msg.rid!r} was already used by decode rank {msg.dst_rank} "
+                "(a second Request for it)"
+            )
         if problem is None and rec is not None and rec.dst_size not in (None, msg.dst_size):
             problem = f"decode ranks disagree on their TP size ({rec.dst_size} and {msg.dst_size})"
         if problem is not None:
