@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -167,13 +167,14 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
 
 def _int_tuple(value: Any, label: str, field: str) -> tuple[int, ...]:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+    # Ordered only: a set's order changes with the hash seed, and these name positions.
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
         raise ManifestError(f"region {label}: {field} must be a sequence of ints, not {value!r}")
     return tuple(value)
 
 
 def _str_tuple(value: Any, label: str) -> tuple[str, ...]:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise ManifestError(f"region {label}: axes must be a sequence of names, not {value!r}")
     return tuple(value)
 

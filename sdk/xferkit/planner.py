@@ -142,9 +142,16 @@ class Plan:
         """True when this source owes this destination nothing."""
         return not self._groups
 
+    def _pairing(self, key: object) -> _Pairing | None:
+        try:
+            return self._pairings.get(key)  # type: ignore[call-overload]
+        except TypeError:  # unhashable: no key of ours
+            msg = f"a region key is a (pool, name, layer, part) tuple, not {key!r}"
+            raise PlanError(msg) from None
+
     def pieces(self, key: RegionKey) -> Pieces:
         """The copies within one page of ``key`` (empty when this source writes none of it)."""
-        pairing = self._pairings.get(key)
+        pairing = self._pairing(key)
         return _NO_PIECES if pairing is None else pairing.pieces
 
     def pages(self, pool: str) -> tuple[int, int] | None:
@@ -152,11 +159,13 @@ class Plan:
         holds four source slots' tokens (``Region.axes``), ``(1, 1)`` when slots pair one to
         one; None when no region of ``pool`` pairs here (another stage's, or all dropped), so
         nothing of it moves between these two ranks."""
+        if not isinstance(pool, str):
+            raise PlanError(f"a pool is named by a str, not {pool!r}")
         return self._pages.get(pool)
 
     def describe(self, key: RegionKey) -> str:
         """How the two sides' layouts of ``key`` line up ("" when alike)."""
-        pairing = self._pairings.get(key)
+        pairing = self._pairing(key)
         return "" if pairing is None else pairing.note
 
     def expand(self, request: Mapping[str, tuple[object, object]]) -> Descriptors:

@@ -23,6 +23,7 @@ addresses need to travel.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from numbers import Integral
 from typing import Literal, NamedTuple, get_args
 
 import numpy as np
@@ -38,6 +39,8 @@ Force = Path | Literal["staged"] | None
 
 FORCE: dict[str, Force] = {"auto": None, "always": "staged"}
 """A Session's ``staging`` setting as ``stage``'s ``force`` ("never" stages nothing)."""
+
+_HUGE = 1 << 62
 
 COPY_COST = 1.0
 """Default wire-byte equivalents of one locally copied byte (``Capabilities.copy_cost``): the
@@ -159,20 +162,24 @@ class StagedPlan:
         *,
         src_capacity: int,
         dst_capacity: int,
+        direct: bool = True,
     ) -> StagedRequest:
         """The direct descriptors and the staged rounds of ``request`` (as ``Plan.expand``'s).
 
         Each round needs at most ``src_capacity`` bytes of source staging and
         ``dst_capacity`` of destination staging; a unit larger than either is a
-        ``PlanError`` naming its region.
+        ``PlanError`` naming its region. ``direct=False`` leaves the direct
+        descriptors out: the unpacking side needs only the rounds.
         """
         if not isinstance(request, Mapping):
             raise PlanError(f"a request maps pool -> (src_slots, dst_slots), not {request!r}")
         for name, cap in (("src_capacity", src_capacity), ("dst_capacity", dst_capacity)):
             if type(cap) is not int or cap < 0:
                 raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
+        # Beyond any memory, a capacity only has to stay clear of uint64 overflow.
+        src_capacity, dst_capacity = min(src_capacity, _HUGE), min(dst_capacity, _HUGE)
         slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
-        direct = self.plan._expand(slots, self._direct)
+        wire = self.plan._expand(slots, self._direct) if direct else Descriptors.empty()
         parts: list[tuple[_Staged, Pairs]] = []
         requested: dict[str, Pairs] = {}
         for s in self._staged:
@@ -195,7 +202,7 @@ class StagedPlan:
                         f"{s.group.keys[0]} ({s.unit} bytes, route {s.path})",
                         subject=s.group.keys[0],
                     )
-        return StagedRequest(direct, _rounds(parts, src_capacity, dst_capacity))
+        return StagedRequest(wire, _rounds(parts, src_capacity, dst_capacity))
 
 
 class _Part(NamedTuple):
@@ -224,9 +231,17 @@ class Round:
     def expand(self, src_stage: int, dst_stage: int) -> Staged:
         """Absolute copies with the source's staging at ``src_stage``, the destination's at
         ``dst_stage`` (each ``src_bytes`` / ``dst_bytes`` long)."""
+        for name, at, size in (
+            ("src", src_stage, self.src_bytes),
+            ("dst", dst_stage, self.dst_bytes),
+        ):
+            if isinstance(at, bool) or not isinstance(at, Integral) or not 0 <= at < 2**64 - size:
+                raise PlanError(
+                    f"{name}_stage must be an address with {size} bytes above it, not {at!r}"
+                )
         pack, wire, unpack = [], [], []
         for part in self._parts:
-            p, w, u = _expand_part(part, np.uint64(src_stage), np.uint64(dst_stage))
+            p, w, u = _expand_part(part, np.uint64(int(src_stage)), np.uint64(int(dst_stage)))
             pack.append(p)
             wire.append(w)
             unpack.append(u)

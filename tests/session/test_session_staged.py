@@ -168,7 +168,7 @@ def test_forged_staged_rounds_fail_the_request_and_write_nowhere_else(ranks: Ran
     assert "nothing of it was unpacked" in str(outside)
     assert all((a[0:4] == 0x5A).all() for a in arrays)  # refused before any copy
     many = [wire.Round(chunk=c, index=0, at={"kv": (0, 1, 1)}) for c in range(1000)]
-    flood = _forge(ranks, "flood", many)  # bounded: no more chunks than the request's slots
-    assert flood.stage == "transfer" and "more staged chunks than" in str(flood)
+    flood = _forge(ranks, "flood", many)  # bounded: a chunk never names slots another named
+    assert flood.stage == "transfer" and "slots [0, +1) of pool 'kv'" in str(flood)
     # A peer may fill the slots a request offered it (with garbage, if it lies); never others.
     assert all((a[2:4] == 0x5A).all() for a in arrays)

@@ -20,6 +20,7 @@ from ..backend import Backend
 from ..manifest import Manifest
 from .handles import State
 from .keys import SessionKeys
+from .wire import clip
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,8 +55,9 @@ V = TypeVar("V")
 
 
 def stage_text(rid: str, stage: str, where: str, detail: str) -> str:
-    """The one shape of a root-cause text, so both sides of a request read the same."""
-    return f"request {rid!r} failed ({stage}) at {where}: {detail}"
+    """The one shape of a root-cause text, so both sides of a request read the same (clipped
+    here as on the wire, so the local handle reads what the peer reads)."""
+    return clip(f"request {rid!r} failed ({stage}) at {where}: {detail}")
 
 
 def remember(table: OrderedDict[str, V], key: str, value: V) -> None:

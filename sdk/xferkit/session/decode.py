@@ -29,12 +29,13 @@ class Source:
     """What a decode request still needs from one source rank, and the staging slice it may
     write rounds into (0: none; its chunks then go direct)."""
 
-    __slots__ = ("inbound", "rank", "seen", "slice", "total")
+    __slots__ = ("claimed", "inbound", "rank", "seen", "slice", "total")
 
     def __init__(self, rank: int) -> None:
         self.rank, self.seen, self.total = rank, 0, 0
         self.slice = 0
         self.inbound: dict[int, Inbound] = {}  # staged chunk -> its rounds, unpacked as they land
+        self.claimed: dict[str, np.ndarray] = {}  # pool -> the request's slots a chunk named
 
     @property
     def complete(self) -> bool:
@@ -337,16 +338,26 @@ class DecodeSide(Core):
                     for pool, (first, count, sources) in r.at.items():
                         dst = rec.slots[pool][first : first + count]
                         pages = up.staged.plan.pages(pool) or (1, 1)
-                        if dst.size != count or sources > count * pages[1]:
+                        claimed = src.claimed.get(pool)
+                        if claimed is None:
+                            claimed = src.claimed[pool] = np.zeros(rec.slots[pool].size, bool)
+                        # A prefill's chunks move forward through the slots: never twice.
+                        if (
+                            dst.size != count
+                            or sources > count * pages[1]
+                            or claimed[first : first + count].any()
+                        ):
                             raise PlanError(
                                 f"slots [{first}, +{count}) of pool {pool!r} from {sources}"
                             )
+                        claimed[first : first + count] = True
                         # Only how many: the sources' slots are the prefill rank's to know.
                         chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
                     req = up.staged.expand(
                         chunk,
                         src_capacity=up.welcome.slice_bytes // 2,
                         dst_capacity=self._slices.half if src.slice else 0,
+                        direct=False,
                     )
                     inbound = src.inbound[r.chunk] = Inbound(
                         req, src.slice, self._slices.half, self._copier

@@ -29,7 +29,8 @@ Size = Annotated[int, msgspec.Meta(ge=1, le=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Slot = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-Text = Annotated[str, msgspec.Meta(max_length=16384)]
+MAX_TEXT = 16384
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
 Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE)]
 Stage = Annotated[str, msgspec.Meta(max_length=32)]
@@ -279,7 +280,23 @@ _decoder = msgspec.msgpack.Decoder(Message)
 _tag_decoder = msgspec.msgpack.Decoder(Tag)
 
 
+_TEXTS = ("text", "error", "reason")
+
+
+def clip(text: str) -> str:
+    """``text`` within what a peer decodes, its head kept (the root cause comes first): an
+    over-long text would get the whole message dropped and its peer wait for a timeout."""
+    if len(text) <= MAX_TEXT:
+        return text
+    tail = f" ... ({len(text)} characters in all)"
+    return text[: MAX_TEXT - len(tail)] + tail
+
+
 def encode(message: Message | Tag) -> bytes:
+    for field in _TEXTS:
+        value = getattr(message, field, None)
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            message = msgspec.structs.replace(message, **{field: clip(value)})
     return _encoder.encode(message)
 
 
