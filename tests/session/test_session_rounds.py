@@ -9,6 +9,8 @@ bytes the reference check sees.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,11 +42,29 @@ def _ref(src_tp: int, dst_tp: int) -> Reference:
     halves=st.integers(1, 5),
     order=st.lists(st.integers(0, 6), max_size=300),
     seed=st.integers(0, 2**16),
+    worker=st.booleans(),
 )
 def test_rounds_of_two_chunks_land_exactly_whatever_the_completion_order(
-    tp: tuple[int, int], force: str, halves: int, order: list[int], seed: int
+    tp: tuple[int, int], force: str, halves: int, order: list[int], seed: int, worker: bool
 ) -> None:
-    """Two chunks of one request share the destination's slice, each its own source slice."""
+    """Two chunks of one request share the destination's slice, each its own source slice;
+    with ``worker``, packs run on a thread, the next round's while this one is in flight."""
+    with ThreadPoolExecutor(1) as pool:
+        _two_chunks(tp, force, halves, order, seed, pool if worker else None)
+
+
+def _two_chunks(
+    tp: tuple[int, int],
+    force: str,
+    halves: int,
+    order: list[int],
+    seed: int,
+    pool: ThreadPoolExecutor | None,
+) -> None:
+    def run(d: Descriptors) -> Future[None]:
+        assert pool is not None
+        return pool.submit(CPU.copy, d.src, d.dst, d.nbytes)
+
     ref = _ref(*tp)
     rng = np.random.default_rng(seed)
     src_slots, dst_slots = rng.permutation(PAGES)[:7], rng.permutation(PAGES)[:7]
@@ -66,7 +86,8 @@ def test_rounds_of_two_chunks_land_exactly_whatever_the_completion_order(
                 src_buf = np.full(2 * half, 0xEE, dtype=np.uint8)
                 keep.append(src_buf)
                 d = dst_buf.ctypes.data
-                outs.append(Outbound(req, src_buf.ctypes.data, d, half, half, shared, CPU))
+                runner = run if pool is not None else None
+                outs.append(Outbound(req, src_buf.ctypes.data, d, half, half, shared, CPU, runner))
                 ins.append(Inbound(req, d, half, CPU))
                 execute(req.direct)
             flight: list[tuple[int, int, int, Descriptors]] = []  # posted
@@ -81,6 +102,11 @@ def test_rounds_of_two_chunks_land_exactly_whatever_the_completion_order(
                             flight.append((j, *posted))
                             break
                     if posted is not None:
+                        continue
+                    packing = [o.packing[3] for o in outs if o.packing and o.packing[3]]
+                    if not (flight or landed) and packing:
+                        for f in packing:
+                            f.result()  # a round still packing on the worker
                         continue
                     assert flight or landed, "blocked with nothing in flight"
                 if flight and (step < 5 or not landed):  # a write lands (drivers reorder)

@@ -22,7 +22,7 @@ from ..manifest import Manifest
 from ..planner import Plan, plan
 from ..staging import FORCE, StagedPlan, stage
 from . import wire
-from .core import Core, log, stage_text
+from .core import LINGER_MS, Core, log, stage_text
 
 
 def fingerprint(manifest: Manifest) -> str:
@@ -142,13 +142,14 @@ class Handshake(Core):
             "%s: next handshake with %s in %.2f s at the earliest", self.address, address, delay
         )
 
-    def _drop_up(self, up: Up) -> None:
+    def _drop_up(self, up: Up, linger_ms: int = 0) -> None:
+        """Forget ``up``; ``linger_ms`` lets messages just queued to it still leave."""
         if self._ups.get(up.address) is up:
             del self._ups[up.address]
         if self._by_driver.get(up.driver_name) is up:
             del self._by_driver[up.driver_name]
         self._unwatch(up.sock)
-        up.sock.close(linger=0)
+        up.sock.close(linger=linger_ms)
 
     def _on_welcome(self, up: Up, msg: wire.Welcome) -> None:
         if up.welcome is not None:
@@ -179,7 +180,9 @@ class Handshake(Core):
                 self._to_up(
                     up, wire.Fail(rid=rec.rid, gen=rec.gen, stage=stage, text=texts[rec.rid])
                 )
-            self._drop_up(up)
+            # The Fails above must still leave: closed at once, ZMQ drops them (the prefill's
+            # offer then waited out its lease instead of failing with this text).
+            self._drop_up(up, linger_ms=LINGER_MS)
             self._pair_failed(up.address)
             for rec in waiting:
                 self._fail_recv(rec, stage, texts[rec.rid], up.address, formatted=True)

@@ -13,6 +13,10 @@ chunks of one request share the decode rank's slice, half by half (``Halves``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
+
 import numpy as np
 
 from ..copier import Copier, copier_for
@@ -100,8 +104,16 @@ class Halves:
                 self.busy[h] = None
 
 
+Runner = Callable[[Descriptors], "Future[None]"]
+"""Starts a pack copy elsewhere (the Session's pack worker) and returns its future."""
+
+
 class Outbound:
-    """The source side of one staged chunk to one destination rank."""
+    """The source side of one staged chunk to one destination rank.
+
+    With ``run``, the next round's pack starts as soon as its halves are free and runs on
+    the worker while this round is posted; without, ``ready`` packs in the calling thread.
+    """
 
     def __init__(
         self,
@@ -112,13 +124,16 @@ class Outbound:
         dst_half: int,
         halves: Halves,
         copier: Copier,
+        run: Runner | None = None,
     ) -> None:
         self.req, self.src, self.dst, self.half, self.dst_half = req, src, dst, half, dst_half
-        self.halves, self.copier = halves, copier
+        self.halves, self.copier, self.run = halves, copier, run
         self.next = 0  # the next round to post
         self.sent: set[int] = set()  # posted, write not yet complete (its source half in use)
         self.unpacking: set[int] = set()  # landed, not yet unpacked (its destination half)
         self.complete = 0  # rounds whose writes completed
+        # The round being packed: (index, destination half, wire copies, the pack's future).
+        self.packing: tuple[int, int, Descriptors, Future[None] | None] | None = None
 
     @property
     def rounds(self) -> int:
@@ -129,27 +144,52 @@ class Outbound:
         """Every round written and, where the destination stages, unpacked."""
         return self.complete == self.rounds and not self.unpacking
 
-    def ready(self) -> tuple[int, int, Descriptors] | None:
-        """Pack the next round and return (index, destination half, wire copies), once its
-        source half is free and, where it lands in staging, a destination half is."""
+    def _start(self) -> None:
+        """Claim the next round's halves and pack it, once its source half is free and, where
+        it lands in staging, a destination half is."""
         k = self.next
-        if k >= self.rounds or (k - 2) in self.sent:
-            return None
+        if self.packing is not None or k >= self.rounds or (k - 2) in self.sent:
+            return
         r = self.req.rounds[k]
         h = 0
         if r.dst_bytes:
             got = self.halves.take((self, k))
             if got is None:
-                return None
+                return
             h = got
         copies = r.expand(self.src + (k % 2) * self.half, self.dst + h * self.dst_half)
+        future = None
         if len(copies.pack):
-            self.copier.copy(copies.pack.src, copies.pack.dst, copies.pack.nbytes)
+            if self.run is None:
+                self.copier.copy(copies.pack.src, copies.pack.dst, copies.pack.nbytes)
+            else:
+                future = self.run(copies.pack)
+        self.packing = (k, h, copies.wire, future)
+
+    def ready(self) -> tuple[int, int, Descriptors] | None:
+        """The next packed round as (index, destination half, wire copies), its next one's
+        pack started; None while nothing is packed. Raises what the copier raised."""
+        self._start()
+        if self.packing is None:
+            return None
+        k, h, wire, future = self.packing
+        if future is not None:
+            if not future.done():
+                return None
+            future.result()
+        self.packing = None
         self.next += 1
         self.sent.add(k)
-        if r.dst_bytes:
+        if self.req.rounds[k].dst_bytes:
             self.unpacking.add(k)
-        return k, h, copies.wire
+        self._start()  # packed while this round goes on the wire
+        return k, h, wire
+
+    def settle(self) -> None:
+        """Wait for a pack in flight: until it ends it reads the source and writes staging."""
+        if self.packing is not None and self.packing[3] is not None:
+            with contextlib.suppress(Exception):  # the request already failed, or will
+                self.packing[3].result()
 
     def written(self, k: int) -> None:
         if k in self.sent:

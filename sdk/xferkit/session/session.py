@@ -226,6 +226,8 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         self._teardown_zmq()
         self._wake_r.close()
         self._wake_w.close()
+        if self._packer is not None:  # every request settled, its packs with it
+            self._packer.shutdown(wait=True)
         self.backend.close()
 
     def _on_abort(self, handle: _Handle) -> None:

@@ -5,13 +5,17 @@ staging it needs is there: a slice of this rank's staging when it packs, the
 slice the decode rank offered in its ``Request`` when it unpacks. Otherwise
 it goes direct (slower, never wrong). Each round is one write whose tag names
 its chunk and round; the decode rank unpacks it on arrival and answers
-``Unpacked``, which frees that half of its slice for round k+2.
+``Unpacked``, which frees that half of its slice for round k+2. Packs run on
+one worker thread, so that round k+1 packs while round k is posted (NIXL
+moves the bytes inside its post call on host memory); a finished pack wakes
+the I/O thread with a ``pump`` command.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,7 +24,7 @@ from ..errors import PlanError
 from . import wire
 from .core import Core, log
 from .handshake import Down
-from .rounds import Outbound
+from .rounds import Outbound, Runner
 
 if TYPE_CHECKING:
     from .prefill import Dst, SendRec
@@ -37,6 +41,30 @@ class Chunk:
 
 class StagedWrites(Core):
     """Staged chunks of the Sends: planning, posting rounds, credits, giving staging back."""
+
+    _packer: ThreadPoolExecutor | None = None  # started by the first chunk that packs
+
+    def _runner(self, rid: str) -> Runner:
+        """Packs ``rid``'s rounds on the pack worker; each one done pumps the request."""
+        if self._packer is None:
+            self._packer = ThreadPoolExecutor(1, thread_name_prefix="xferkit-pack")
+        pool, copier = self._packer, self._copier
+
+        def run(d: Descriptors) -> Future[None]:
+            future = pool.submit(copier.copy, d.src, d.dst, d.nbytes)
+            future.add_done_callback(lambda _: self._submit(("pump", rid)))
+            return future
+
+        return run
+
+    def _on_pump(self, rid: str) -> None:
+        """(I/O thread) a pack of ``rid`` finished: post what is ready."""
+        rec = self._sends.get(rid)
+        if rec is None or rec.error is not None:
+            return
+        for dst in list(rec.dsts.values()):
+            self._pump(rec, dst)
+        self._check_send(rec)
 
     def _stage_chunk(
         self,
@@ -73,6 +101,7 @@ class StagedWrites(Core):
             dst.staging_bytes // 2,
             dst.halves,
             self._copier,
+            self._runner(rec.rid) if packs else None,
         )
         chunk = Chunk(dst.chunks, out, slice_ or 0, at)
         dst.chunks += 1
@@ -83,7 +112,14 @@ class StagedWrites(Core):
         """Post every round whose halves are free, oldest chunk first (they share the decode
         rank's halves); give back the slices of chunks whose writes all completed."""
         for chunk in list(dst.staged.values()):
-            while rec.error is None and (ready := chunk.out.ready()) is not None:
+            while rec.error is None:
+                try:
+                    ready = chunk.out.ready()
+                except Exception as exc:  # the copier failed: nothing of the round was sent
+                    self._fail_send(rec, "transfer", f"packing a staged round: {exc}")
+                    return
+                if ready is None:
+                    break
                 k, h, wire_copies = ready
                 r = wire.Round(chunk=chunk.index, index=k, at=chunk.at, half=h)
                 self._post(rec, dst, wire_copies, r)
@@ -111,9 +147,11 @@ class StagedWrites(Core):
         self._check_send(rec)
 
     def _release_staging(self, rec: SendRec) -> None:
-        """Give back every slice ``rec`` holds: its writes ended (done, or drained after abort)."""
+        """Give back every slice ``rec`` holds: its writes ended (done, or drained after abort),
+        and so did any pack in flight (it reads the source, writes the slice)."""
         for dst in rec.dsts.values():
             for chunk in dst.staged.values():
+                chunk.out.settle()
                 if chunk.slice:
                     self._slices.give(chunk.slice)
                     chunk.slice = 0
@@ -124,3 +162,5 @@ class StagedWrites(Core):
             self, rec: SendRec, dst: Dst, descs: Descriptors, r: wire.Round | None
         ) -> None: ...
         def _check_send(self, rec: SendRec) -> None: ...
+        def _fail_send(self, rec: SendRec, stage: str, detail: str) -> None: ...
+        def _submit(self, command: tuple[Any, ...]) -> None: ...
