@@ -8,6 +8,7 @@ checks every byte it holds against the reference model.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -119,4 +120,37 @@ def test_a_pipeline_stage_without_a_pool_does_not_count_its_slots(views: bool) -
         ref.check(0, {"kv": ([3, 4, 9], request["kv"]), "state": ([2], request["state"])})
     finally:
         for s in (*stages, dec):
+            s.close()
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "alike"])
+def test_decode_pipeline_stages_each_get_their_layers(views: bool) -> None:
+    """Decode split over two pipeline stages (the first holds only recurrent state, the second
+    only KV pages), prefill in one: the prefill rank serves a Request from each stage, skips
+    the pool a stage does not hold, and reports DONE only once both stages asked and were
+    written. Before, the second stage's Request read as the first one's repeated."""
+    specs = [_views(s) if views else s for s in gdn_hybrid(2)]
+    slots = {"kv": 16, "state": 4}
+    ref = Reference(specs, src_tp=1, dst_tp=1, dst_pp=2, src_slots=slots, dst_slots=slots)
+    pre = Session(xk.open_backend("loopback"), ref.srcs[0].manifest)
+    stages = [
+        Session(xk.open_backend("loopback"), d.manifest, pp_rank=d.pp_stage, pp_size=2)
+        for d in ref.dsts
+    ]
+    try:
+        kv = [7, 2] if views else [7, 2, 5]
+        send = pre.offer("dpp")
+        send.write({"kv": [3, 4], "state": [2]})
+        send.write({"kv": [9]}, last=True)
+        first = stages[0].expect("dpp", [pre.address], {"state": [1]})
+        assert first.wait(10) is State.DONE, first.error
+        time.sleep(0.2)
+        assert send.poll() is not State.DONE  # the second stage has not asked yet
+        second = stages[1].expect("dpp", [pre.address], {"kv": kv})
+        for h in (second, send):
+            assert h.wait(10) is State.DONE, h.error
+        ref.check(0, {"state": ([2], [1])})
+        ref.check(1, {"kv": ([3, 4, 9], kv)})
+    finally:
+        for s in (pre, *stages):
             s.close()

@@ -148,6 +148,8 @@ class DecodeSide(Core):
                     registration=self.backend.generation,
                     staging=need.slice if need is not None else 0,
                     staging_bytes=self._slices.slice_bytes if need and need.slice else 0,
+                    dst_stage=self.pp_rank,
+                    dst_stages=self.pp_size,
                 ),
             )
             rec.requested.add(u.address)

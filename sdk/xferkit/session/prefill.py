@@ -25,7 +25,7 @@ from .core import DRAIN_S, POLL_S, log, remember, stage_text
 from .handles import RequestError, Send, State
 from .handshake import Down
 from .rounds import Halves
-from .staged import Chunk, StagedWrites
+from .staged import Chunk, StagedWrites, dst_of
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -55,8 +55,8 @@ class SendRec:
     def __init__(self, rid: str, deadline: float) -> None:
         self.rid = rid
         self.handle: Send | None = None
-        self.dsts: dict[int, Dst] = {}
-        self.dst_size: int | None = None
+        self.dsts: dict[tuple[int, int], Dst] = {}  # (pipeline stage, TP rank) -> its part
+        self.dst_size: tuple[int, int] | None = None  # decode (TP size, pipeline stages)
         self.chunks: list[tuple[dict[str, np.ndarray], bool]] = []
         self.last = False
         self.deadline = deadline
@@ -166,19 +166,28 @@ class PrefillSide(StagedWrites):
                 )
             fail("handshake", text)
             return
-        elif msg.dst_rank != down.hello.tp_rank or msg.dst_size != down.hello.tp_size:
+        elif (
+            msg.dst_rank != down.hello.tp_rank
+            or msg.dst_size != down.hello.tp_size
+            or msg.dst_stage >= msg.dst_stages
+        ):
             problem = (
                 f"decode rank {down.hello.tp_rank} sent a request as rank "
-                f"{msg.dst_rank}/{msg.dst_size}"
+                f"{msg.dst_rank}/{msg.dst_size} of stage {msg.dst_stage}/{msg.dst_stages}"
             )
         rec = self._sends.get(msg.rid)
-        if problem is None and rec is not None and msg.dst_rank in rec.dsts:
+        key = (msg.dst_stage, msg.dst_rank)
+        if problem is None and rec is not None and key in rec.dsts:
             problem = (
                 f"request id {msg.rid!r} was already used by decode rank {msg.dst_rank} "
                 "(a second Request for it)"
             )
-        if problem is None and rec is not None and rec.dst_size not in (None, msg.dst_size):
-            problem = f"decode ranks disagree on their TP size ({rec.dst_size} and {msg.dst_size})"
+        shape = (msg.dst_size, msg.dst_stages)
+        if problem is None and rec is not None and rec.dst_size not in (None, shape):
+            problem = (
+                f"decode ranks disagree on their TP size x pipeline stages ({rec.dst_size} and "
+                f"{shape})"
+            )
         if problem is not None:
             fail("request", stage_text(msg.rid, "request", self.where("prefill"), problem))
             return
@@ -194,8 +203,8 @@ class PrefillSide(StagedWrites):
         if rec.lease_until is not None:  # claimed: the request's own deadline runs again
             rec.lease_until = None
             rec.deadline = time.monotonic() + self.request_timeout_s
-        rec.dst_size = msg.dst_size
-        dst = rec.dsts[msg.dst_rank] = Dst(down, msg)
+        rec.dst_size = shape
+        dst = rec.dsts[key] = Dst(down, msg)
         for slots, last in rec.chunks:
             if rec.error is None:
                 self._write_chunk(rec, dst, slots, last)
@@ -245,7 +254,9 @@ class PrefillSide(StagedWrites):
         for pool, src in slots.items():
             have = dst.slots.get(pool, _NONE)
             at = dst.cursor.get(pool, 0)
-            pages = dst.down.plan.pages(pool) or (1, 1)
+            pages = dst.down.plan.pages(pool)
+            if pages is None:  # no region of it here (another pipeline stage's): none of ours
+                continue
             count, problem = _dst_count(src.size, pages, last)
             room = have.size - at
             if not problem and count > room:
@@ -352,7 +363,7 @@ class PrefillSide(StagedWrites):
     def _check_send(self, rec: SendRec) -> None:
         if rec.error is not None or rec.handle is None or not rec.last or rec.dst_size is None:
             return
-        if len(rec.dsts) < rec.dst_size:
+        if len(rec.dsts) < rec.dst_size[0] * rec.dst_size[1]:
             return
         for dst in rec.dsts.values():
             if not dst.last or any(tag is not None for _, tag in dst.transfers):
@@ -420,7 +431,7 @@ class PrefillSide(StagedWrites):
 
     def _on_remote_fail(self, down: Down, msg: wire.Abort | wire.Fail) -> None:
         rec = self._sends.get(msg.rid)
-        dst = None if rec is None else rec.dsts.get(down.hello.tp_rank)
+        dst = None if rec is None else dst_of(rec, down)
         if rec is None or (dst is not None and dst.gen != msg.gen):
             if any(d.rid == msg.rid and down.ident in d.answers for d in self._drains):
                 return  # failing already: its Fail, once drained, answers this

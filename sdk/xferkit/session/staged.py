@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from .prefill import Dst, SendRec
 
 
+def dst_of(rec: SendRec, down: Down) -> Dst | None:
+    """``down``'s part of ``rec`` (a request has one per decode rank and stage)."""
+    return next((d for d in rec.dsts.values() if d.down is down), None)
+
+
 class Chunk:
     """One staged chunk to one decode rank: its rounds and the slice they pack into."""
 
@@ -135,7 +140,7 @@ class StagedWrites(Core):
 
     def _on_unpacked(self, down: Down, msg: wire.Unpacked) -> None:
         rec = self._sends.get(msg.rid)
-        dst = None if rec is None else rec.dsts.get(down.hello.tp_rank)
+        dst = None if rec is None else dst_of(rec, down)
         chunk = None if dst is None or dst.gen != msg.gen else dst.staged.get(msg.chunk)
         if rec is None or dst is None or chunk is None:
             log.info(

@@ -86,7 +86,8 @@ class Request(_Msg, frozen=True, tag="request"):
 
     ``needed`` is False when the plans say this source writes nothing into this
     destination rank; the source still counts it, so it knows when every
-    destination rank of the request has been served.
+    destination rank of the request has been served: ``dst_size`` TP ranks in each of
+    ``dst_stages`` pipeline stages (``dst_stage`` is the sender's).
     """
 
     rid: RequestId
@@ -98,6 +99,8 @@ class Request(_Msg, frozen=True, tag="request"):
     registration: U64 = 0  # the decode backend's registration generation now (stale check)
     staging: U64 = 0  # address of the staging slice this source may write rounds into (0: none)
     staging_bytes: U64 = 0
+    dst_stage: Count = 0
+    dst_stages: Size = 1
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
