@@ -179,7 +179,7 @@ class StagedPlan:
         # Beyond any memory, a capacity only has to stay clear of uint64 overflow.
         src_capacity, dst_capacity = min(src_capacity, _HUGE), min(dst_capacity, _HUGE)
         slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
-        wire = self.plan._expand(slots, self._direct) if direct else Descriptors.empty()
+        on_wire = self.plan._expand(slots, self._direct) if direct else Descriptors.empty()
         parts: list[tuple[_Staged, Pairs]] = []
         requested: dict[str, Pairs] = {}
         for s in self._staged:
@@ -202,7 +202,7 @@ class StagedPlan:
                         f"{s.group.keys[0]} ({s.unit} bytes, route {s.path})",
                         subject=s.group.keys[0],
                     )
-        return StagedRequest(wire, _rounds(parts, src_capacity, dst_capacity))
+        return StagedRequest(on_wire, _rounds(parts, src_capacity, dst_capacity))
 
 
 class _Part(NamedTuple):

@@ -17,26 +17,17 @@ from session_rank import (
     Check,
     Expect,
     Offer,
-    RankProcess,
     Setup,
     Wait,
     Write,
     _views,
     start,
 )
-from test_session_e2e import STAGING
+from test_session_e2e import STAGING, Cluster
 
 import xferkit as xk
 from xferkit.session import Session, State
 from xferkit.testing import Reference, gdn_hybrid
-
-
-class Cluster:
-    def __init__(self, procs: list[RankProcess], src_tp: int) -> None:
-        self.pre = procs[:src_tp]
-        self.dec = procs[src_tp:]
-        self.sources = [p.address for p in self.pre]
-
 
 RUNS = (((2, 4), "never"), ((4, 2), "staged"))  # (prefill TP, decode TP), staging
 

@@ -330,43 +330,11 @@ class DecodeSide(Core):
         inbound = src.inbound.get(r.chunk)
         problem = ""
         if inbound is None:
-            if up.staged is None or up.welcome is None:
-                problem = "a staged round from a pair without staging"
-            elif len(src.inbound) >= sum(s.size for s in rec.slots.values()):
-                problem = f"more staged chunks than the request has slots (chunk {r.chunk})"
-            else:
-                try:
-                    chunk = {}
-                    for pool, (first, count, sources) in r.at.items():
-                        dst = rec.slots[pool][first : first + count]
-                        pages = up.staged.plan.pages(pool) or (1, 1)
-                        claimed = src.claimed.get(pool)
-                        if claimed is None:
-                            claimed = src.claimed[pool] = np.zeros(rec.slots[pool].size, bool)
-                        # A prefill's chunks move forward through the slots: never twice.
-                        if (
-                            dst.size != count
-                            or sources > count * pages[1]
-                            or claimed[first : first + count].any()
-                        ):
-                            raise PlanError(
-                                f"slots [{first}, +{count}) of pool {pool!r} from {sources}"
-                            )
-                        claimed[first : first + count] = True
-                        # Only how many: the sources' slots are the prefill rank's to know.
-                        chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
-                    req = up.staged.expand(
-                        chunk,
-                        src_capacity=up.welcome.slice_bytes // 2,
-                        dst_capacity=self._slices.half if src.slice else 0,
-                        direct=False,
-                    )
-                    inbound = src.inbound[r.chunk] = Inbound(
-                        req, src.slice, self._slices.half, self._copier
-                    )
-                except (PlanError, KeyError) as exc:
-                    problem = f"a staged chunk naming {exc}"
-        if inbound is not None and not problem:
+            try:
+                inbound = src.inbound[r.chunk] = self._inbound(rec, up, src, r)
+            except (PlanError, KeyError) as exc:
+                problem = f"a staged chunk naming {exc}"
+        if inbound is not None:
             if not 0 <= r.index < len(inbound.req.rounds):
                 problem = f"round {r.index} of a chunk of {len(inbound.req.rounds)}"
             elif inbound.req.rounds[r.index].dst_bytes:
@@ -380,3 +348,33 @@ class DecodeSide(Core):
             self._fail_recv(rec, "transfer", detail, up.address)
             return False
         return True
+
+    def _inbound(self, rec: Recv, up: Up, src: Source, r: wire.Round) -> Inbound:
+        """The rounds of a new staged chunk, cut as the prefill rank cut them; ``PlanError``
+        for one naming slots outside the request, or slots another chunk named (a prefill's
+        chunks move forward: an overlap is forged, and would unpack twice)."""
+        if up.staged is None or up.welcome is None:
+            raise PlanError("a round from a pair without staging")
+        chunk = {}
+        for pool, (first, count, sources) in r.at.items():
+            dst = rec.slots[pool][first : first + count]
+            claimed = src.claimed.get(pool)
+            if claimed is None:
+                claimed = src.claimed[pool] = np.zeros(rec.slots[pool].size, bool)
+            pages = up.staged.plan.pages(pool) or (1, 1)
+            if (
+                dst.size != count
+                or sources > count * pages[1]
+                or claimed[first : first + count].any()
+            ):
+                raise PlanError(f"slots [{first}, +{count}) of pool {pool!r} from {sources}")
+            claimed[first : first + count] = True
+            # Only how many: the sources' slots are the prefill rank's to know.
+            chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
+        req = up.staged.expand(
+            chunk,
+            src_capacity=up.welcome.slice_bytes // 2,
+            dst_capacity=self._slices.half if src.slice else 0,
+            direct=False,
+        )
+        return Inbound(req, src.slice, self._slices.half, self._copier)
