@@ -145,7 +145,7 @@ class Case:
         return sorted(
             {
                 r.path
-                for u in self.session._ups.values()
+                for u in self.session._protocol.pairs.ups.values()
                 if u.staged
                 for r in u.staged.routes.values()
             }
@@ -155,7 +155,7 @@ class Case:
     def why(self) -> str:
         """Why the first region pair went the way it did, as the plan says."""
         key = ("kv", "k", 0, 0)
-        for u in self.session._ups.values():
+        for u in self.session._protocol.pairs.ups.values():
             if u.staged is not None:
                 return u.staged.routes[key].why
             if u.manifest is not None:

@@ -27,6 +27,7 @@ import numpy as np
 from .closing import Closing
 from .descriptors import Descriptors
 from .driver import CONTRACT_VERSION, Capabilities, Driver, Notification, Posted, Status
+from .endpoint import Envelope, open_envelope
 from .errors import (
     BoundsError,
     CapabilityError,
@@ -43,18 +44,6 @@ log = logging.getLogger("xferkit")
 
 DRAIN_S = 10.0
 """How long ``close``/``deregister``/``disconnect`` wait for aborted batches to leave the driver."""
-
-
-class _Envelope(msgspec.Struct, frozen=True):
-    """The core's wrapping of a driver's endpoint blob: which driver, which process, who."""
-
-    backend: str
-    contract: int
-    host: str
-    pid: int
-    address: str
-    generation: int  # the sender's registration generation when it made the endpoint
-    blob: msgspec.Raw
 
 
 class _Link:
@@ -236,7 +225,7 @@ class Backend(Closing):
             address = str(self._driver.address)
         except Exception as exc:
             raise self._wrap(exc, "building the endpoint") from exc
-        env = _Envelope(
+        env = Envelope(
             self.name,
             CONTRACT_VERSION,
             socket.gethostname(),
@@ -282,13 +271,8 @@ class Backend(Closing):
             self._peers.add(peer)
         return peer
 
-    def _open_envelope(self, endpoint: object) -> tuple[_Envelope, Any]:
-        if not isinstance(endpoint, bytes | bytearray | memoryview):
-            raise ProtocolError(f"{self.name}: an endpoint is bytes, not {type(endpoint).__name__}")
-        try:
-            env = msgspec.msgpack.decode(endpoint, type=_Envelope)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"{self.name}: malformed endpoint: {exc}") from exc
+    def _open_envelope(self, endpoint: object) -> tuple[Envelope, Any]:
+        env = open_envelope(endpoint, self.name)
         if env.backend != self.name or env.contract != CONTRACT_VERSION:
             raise ProtocolError(
                 f"{self.name} (contract {CONTRACT_VERSION}) cannot reach an endpoint of "

@@ -53,7 +53,7 @@ class Ranks:
         return [h.wait(20) for h in recvs + sends]
 
     def free_slices(self) -> list[int]:
-        return [len(s._slices._free) for s in self.pre + self.dec]
+        return [len(s._protocol.s.slices._free) for s in self.pre + self.dec]
 
     def close(self) -> None:
         for s in self.pre + self.dec:
@@ -77,7 +77,7 @@ def test_the_cost_model_stages_nhd_heterogeneous_tp_and_bytes_are_exact(ranks: R
     routes = {
         route.path
         for p in ranks.pre
-        for down in p._downs.values()
+        for down in p._protocol.pairs.downs.values()
         if down.staged is not None
         for route in down.staged.routes.values()
     }
@@ -118,7 +118,7 @@ def test_staging_never_keeps_every_pair_direct() -> None:
     r = Ranks(4, 8, staging="never")
     try:
         assert set(r.run("r", [1, 2], [3, 4])) == {State.DONE}
-        assert all(d.staged is None for p in r.pre for d in p._downs.values())
+        assert all(d.staged is None for p in r.pre for d in p._protocol.pairs.downs.values())
         assert r.free_slices() == [0] * len(r.free_slices())
         for i in range(len(r.dec)):
             r.ref.check(i, {"kv": ([1, 2], [3, 4])})
@@ -148,8 +148,8 @@ def _forge(ranks: Ranks, rid: str, rounds: list[wire.Round]) -> RequestError:
     deadline = time.monotonic() + 10
     while recv.poll() is not State.WAITING and time.monotonic() < deadline:
         time.sleep(0.01)
-    gen = ranks.dec[0]._recvs[rid].gen
-    peer = next(d.peer for d in ranks.pre[0]._downs.values() if d.hello.tp_rank == 0)
+    gen = ranks.dec[0]._protocol.incoming.recvs[rid].gen
+    peer = next(d.peer for d in ranks.pre[0]._protocol.pairs.downs.values() if d.place.tp_rank == 0)
     assert peer is not None
     for r in rounds:
         tag = wire.Tag(rid, gen, 0, 0, 0, r)

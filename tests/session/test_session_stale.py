@@ -92,10 +92,8 @@ def test_a_late_request_after_abort_writes_nothing(
     request = wire.Request(
         rid="r",
         gen=1,
-        dst_rank=0,
-        dst_size=1,
         needed=True,
-        slots={"kv": [1, 2]},
+        slots=wire.pack_slots({"kv": [1, 2]}),
         registration=fake.backend.generation,
     )
     fake.sock.send(wire.encode(request))
@@ -110,10 +108,8 @@ def test_a_late_request_after_abort_writes_nothing(
         late = wire.Request(
             rid="r",
             gen=gen,
-            dst_rank=0,
-            dst_size=1,
             needed=True,
-            slots={"kv": [3, 4]},
+            slots=wire.pack_slots({"kv": [3, 4]}),
             registration=fake.backend.generation,
         )
         fake.sock.send(wire.encode(late))

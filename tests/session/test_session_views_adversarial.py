@@ -57,9 +57,9 @@ class Pair:
         deadline = time.monotonic() + 10
         while recv.poll() is not State.WAITING and time.monotonic() < deadline:
             time.sleep(0.01)
-        rec = self.dec._recvs[rid]
+        rec = self.dec._protocol.incoming.recvs[rid]
         assert all(s.slice for s in rec.needed.values()), "the decode rank must unpack"
-        peer = next(iter(self.pre._downs.values())).peer
+        peer = next(iter(self.pre._protocol.pairs.downs.values())).peer
         assert peer is not None
         for r in rounds:
             tag = wire.Tag(rid, rec.gen, 0, 0, 0, r)

@@ -26,7 +26,7 @@ HELLO = dict(
 EXAMPLES: list[wire.Message] = [
     wire.Hello(**HELLO),  # type: ignore[arg-type]
     wire.Welcome(**HELLO, stage="plan", error="no"),  # type: ignore[arg-type]
-    wire.Request(rid="r", gen=3, dst_rank=1, dst_size=4, needed=True, slots={"kv": [1, 2]}),
+    wire.Request(rid="r", gen=3, needed=True, slots=wire.pack_slots({"kv": [1, 2]})),
     wire.Abort(rid="r", gen=3, stage="abort", text="why"),
     wire.AbortAck(rid="r", gen=3),
     wire.Fail(rid="r", gen=3, stage="transfer", text="driver said no"),
@@ -91,10 +91,8 @@ def test_unknown_type_wrong_version_field_and_oversize_are_refused() -> None:
             "type": "request",
             "rid": "r",
             "gen": 1,
-            "dst_rank": 0,
-            "dst_size": 1,
             "needed": True,
-            "slots": {"kv": [2**40]},
+            "slots": {"kv": [2**40]},  # not packed
         }
     )
     with pytest.raises(ProtocolError):

@@ -11,13 +11,17 @@ import enum
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import XferError
 from ..transfer import seconds
 
-if TYPE_CHECKING:
-    from .session import Session
+
+class Owner(Protocol):
+    """What a handle asks of its session: queue a command, check slots."""
+
+    def _submit(self, command: tuple[Any, ...]) -> None: ...
+    def _local_slots(self, slots: object, what: str) -> dict[str, Any]: ...
 
 
 class State(enum.IntEnum):
@@ -51,11 +55,12 @@ class RequestError(XferError):
 class _Handle:
     """A request's progress; ``poll`` never blocks, states only move forward, FAILED sticks."""
 
-    def __init__(self, session: Session, request_id: str) -> None:
+    def __init__(self, session: Owner, request_id: str) -> None:
         self.request_id = request_id
         self._session = session
         self._state = State.HANDSHAKING
         self._error: RequestError | None = None
+        self._failing: RequestError | None = None
         self._cond = threading.Condition()
 
     def __repr__(self) -> str:
@@ -68,6 +73,13 @@ class _Handle:
     def error(self) -> RequestError | None:
         """The root cause once FAILED, else None."""
         return self._error
+
+    @property
+    def failing(self) -> RequestError | None:
+        """The root cause as soon as the request is known to fail, while bytes of it may still
+        land (it drains); ``poll()`` says FAILED, and the slots are safe to reuse, only once
+        no byte can land any more."""
+        return self._failing or self._error
 
     @property
     def done(self) -> bool:
@@ -97,9 +109,12 @@ class _Handle:
 
         On the decode side that means every source confirmed no write into the
         request's slots is in flight or will be posted: the slots may be reused.
+        ``timeout=0`` only asks: ``poll()`` says FAILED later, when that holds.
         """
         limit = time.monotonic() + seconds(timeout, "timeout")
         self._session._submit(("abort", self))
+        if timeout == 0:
+            return
         with self._cond:
             while not self.done:
                 left = limit - time.monotonic()
@@ -119,6 +134,13 @@ class _Handle:
                 if state is State.DONE:  # waiters wait for the end only: wake them then
                     self._cond.notify_all()
 
+    def _done(self) -> None:
+        self._move(State.DONE)
+
+    def _failing_now(self, error: RequestError) -> None:
+        if not self.done and self._failing is None:
+            self._failing = error
+
     def _fail(self, error: RequestError) -> bool:
         with self._cond:
             if self.done:
@@ -135,7 +157,7 @@ class Receive(_Handle):
 class Send(_Handle):
     """Prefill side: the request's data leaving, written chunk by chunk with ``write``."""
 
-    def __init__(self, session: Session, request_id: str) -> None:
+    def __init__(self, session: Owner, request_id: str) -> None:
         super().__init__(session, request_id)
         self._state = State.WAITING
         self._last = False

@@ -1,18 +1,19 @@
-"""One Session per rank: the engine-facing object that moves requests between ranks.
+"""One Session per rank: the engine-facing facade over the protocol core and its shell.
 
-Everything that touches ZMQ, the backend's connections and its notifications
-runs on one background I/O thread (``loop``). Engine calls validate their
-arguments here, queue a command, wake the thread and return: only ``wait``
-and ``abort`` on a handle block, and only when asked to. The thread's work is
-split by idea: ``handshake``, ``decode`` (Receives), ``prefill`` (Sends,
-writes, leases), ``liveness`` (heartbeats, deadlines, lost peers) and
-``roster`` (group bootstrap). See docs/engine.md and docs/protocol.md.
+Engine calls validate their arguments here, queue a command for the control
+thread and return: only ``wait`` and ``abort`` on a handle block, and only
+when asked to. The control thread (``shell``) runs the protocol core
+(``protocol``), which decides everything; driver calls run on the data-plane
+worker (``dataplane``). See docs/engine.md and docs/protocol.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -25,25 +26,52 @@ from ..copier import CPU
 from ..errors import XferError
 from ..manifest import Manifest
 from ..transfer import seconds
-from .core import REMEMBERED, log
-from .decode import DecodeSide
-from .handles import Receive, Send, _Handle
-from .handshake import Handshake, fingerprint
+from .core import REMEMBERED, Settings, log
+from .handles import Receive, Send
 from .keys import SessionKeys
-from .liveness import Liveness
-from .loop import Loop
-from .prefill import PrefillSide
-from .roster import GROUP, Roster
+from .protocol import Protocol
+from .roster import GROUP
 from .rounds import Staging, copier_of
+from .shell import Shell
 
 __all__ = ["GROUP", "Session", "fingerprint"]
 
 
-class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roster):
+def fingerprint(manifest: Manifest) -> str:
+    """A TP-independent digest of the layout: per region key its global slot shape, itemsize
+    and sharding. Two engines serving one model agree on it (diagnostics; the plan decides)."""
+    h = hashlib.sha256()
+    for r in sorted(manifest.regions, key=lambda r: r.key):
+        shape = list(r.slot_shape)
+        if r.tp_axis is not None:
+            shape[r.tp_axis] = r.tp_global or shape[r.tp_axis] * manifest.tp_size
+        h.update(repr((r.key, shape, r.itemsize, r.tp_axis, r.tp_groups)).encode())
+    return h.hexdigest()[:16]
+
+
+def _abandoned(shell: Shell, backend: Backend, address: str) -> None:
+    """A Session was garbage-collected unclosed: stop its threads, release its backend."""
+    warnings.warn(
+        f"xferkit Session {address} was never closed: closing it now", ResourceWarning, stacklevel=1
+    )
+    _stop(shell, backend, f"session {address} was dropped without close()", 10.0)
+
+
+def _stop(shell: Shell, backend: Backend, why: str, timeout: float) -> None:
+    shell.submit(("close", why))
+    if not shell.join(timeout):
+        log.warning("%s: the control thread did not stop within %s s", shell.where, timeout)
+        shell.join(1.0)
+    shell.teardown()
+    backend.close()
+
+
+class Session(Closing):
     """One rank's transfer session. See docs/engine.md.
 
     It owns ``backend`` (registering ``manifest`` if nothing is registered yet)
-    and closes it on ``close``.
+    and closes it on ``close``; a Session dropped without ``close`` is closed by
+    the garbage collector, with a ``ResourceWarning``.
     """
 
     def __init__(
@@ -126,43 +154,53 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         else:
             raise XferError("the backend has another manifest registered than the one given")
         self.staging = staging
-        self._slices = self._staging.slices(staging_slice_bytes)
         self.backend = backend
         self.manifest = registered
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.incarnation = random.getrandbits(63)
         self.keys = keys
-        self._endpoint = backend.endpoint()
-        self._fingerprint = fingerprint(manifest)
-        self._notifying = backend.capabilities.notifications
-
-        where = self._bind(bind, keys)
-        fd = backend.notification_fd() if self._notifying else None
-        if fd is not None:  # the driver can wake the loop: completions are seen at once
-            self._watch(fd, self._drain_notifications)
-        self._poll_notes = self._notifying and fd is None
+        reconnect = (self.reconnect_min_s, self.reconnect_max_s)
+        shell = self._shell = Shell(backend, bind, keys, reconnect, self._copier)
+        where = shell.where
+        if group is not None and (problem := shell.check(group.removeprefix(GROUP))) is not None:
+            shell.teardown()
+            raise XferError(f"Session cannot join group {group!r}: {problem}")
         self.address: str = where if keys is None else f"{where}|{keys.public.decode()}"
         """The string a peer passes to ``expect(source=...)``."""
-
+        caps = backend.capabilities
+        settings = Settings(
+            address=self.address,
+            incarnation=random.getrandbits(63),
+            manifest=registered,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            backend=backend.name,
+            driver_name=f"{backend.name}:{backend.driver.address}",
+            endpoint=backend.endpoint(),
+            fingerprint=fingerprint(manifest),
+            notifying=caps.notifications,
+            descriptor_bytes=caps.descriptor_bytes,
+            copy_cost=caps.copy_cost,
+            staging=staging,
+            slices=self._staging.slices(staging_slice_bytes),
+            copier=copier,
+            runner=shell.runner,
+            heartbeat_s=self.heartbeat_s,
+            dead_after_s=self.dead_after_s,
+            handshake_timeout_s=self.handshake_timeout_s,
+            request_timeout_s=self.request_timeout_s,
+            lease_s=self.lease_s,
+            reconnect_min_s=self.reconnect_min_s,
+            reconnect_max_s=self.reconnect_max_s,
+        )
+        self.incarnation = settings.incarnation
         self._known_pools = frozenset(manifest.pools) | {k[0] for k in manifest.dropped_keys}
         self._lock = threading.Lock()
         self._used: OrderedDict[str, None] = OrderedDict()  # ids given to expect/offer
-        self._progress = []
         self._closed = False
-        # I/O thread state
-        self._ups, self._by_driver, self._backoff, self._downs = {}, {}, {}, {}
-        self._recvs, self._sends, self._writing, self._drains = {}, {}, {}, []
-        self._last_write = None
-        self._finished, self._early, self._failed = OrderedDict(), OrderedDict(), OrderedDict()
-        self._gen = 0
-        self._coverage = {}
-        self._groups, self._roster, self._membership = {}, {}, None
-        if group is not None and (problem := self._join(group)) is not None:
-            self._teardown_zmq()
-            raise XferError(f"Session cannot join group {group!r}: {problem}")
-        self._thread = threading.Thread(target=self._run, name=f"xferkit-session-{where}")
-        self._thread.daemon = True
-        self._thread.start()
+        self._protocol = Protocol(settings, group=group)
+        shell.start(self._protocol, caps.notifications)
+        self._finalizer = weakref.finalize(self, _abandoned, shell, backend, self.address)
+        self._finalizer.atexit = False
 
     def __repr__(self) -> str:
         return f"Session({self.address!r}, rank {self.manifest.tp_rank}/{self.manifest.tp_size})"
@@ -187,7 +225,7 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         checked = self._local_slots(slots, f"request {rid!r}: expect()")
         self._claim(rid)
         handle = Receive(self, rid)
-        self._submit(("expect", handle, sources, checked))
+        self._submit(("expect", handle, rid, sources, checked, self.backend.generation))
         return handle
 
     def offer(self, request_id: str) -> Send:
@@ -196,7 +234,7 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         rid = self._check_id(request_id)
         self._claim(rid)
         handle = Send(self, rid)
-        self._submit(("offer", handle))
+        self._submit(("offer", handle, rid))
         return handle
 
     def renew(self, request_id: str, source: str | Iterable[str]) -> None:
@@ -208,8 +246,9 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
 
     def progress(self) -> list[str]:
         """The request ids that finished (DONE or FAILED) since the last call."""
-        with self._lock:
-            out, self._progress = self._progress, []
+        shell = self._shell
+        with shell.lock:
+            out, shell.progress = shell.progress, []
         return out
 
     def close(self, timeout: float = 10.0) -> None:
@@ -217,29 +256,16 @@ class Session(Closing, Loop, Handshake, DecodeSide, PrefillSide, Liveness, Roste
         if self._closed:
             return
         self._closed = True
-        self._submit(("close",))
-        self._thread.join(seconds(timeout, "timeout"))
-        if self._thread.is_alive():
-            log.warning("%s: the I/O thread did not stop within %s s", self.address, timeout)
-            self._stop.set()
-            self._thread.join(1.0)
-        self._teardown_zmq()
-        self._wake_r.close()
-        self._wake_w.close()
-        if self._packer is not None:  # every request settled, its packs with it
-            self._packer.shutdown(wait=True)
-        self.backend.close()
+        self._finalizer.detach()
+        _stop(
+            self._shell,
+            self.backend,
+            f"session {self.address} was closed",
+            seconds(timeout, "timeout"),
+        )
 
-    def _on_abort(self, handle: _Handle) -> None:
-        """(I/O thread) the engine aborted ``handle``: fail it on both sides, stage abort."""
-        if isinstance(handle, Receive):
-            rec = self._recvs.get(handle.request_id)
-            if rec is not None and rec.handle is handle:
-                self._fail_recv(rec, "abort", "aborted by the engine", None)
-            return
-        srec = self._sends.get(handle.request_id)
-        if srec is not None and srec.handle is handle:
-            self._fail_send(srec, "abort", "aborted by the engine")
+    def _submit(self, command: tuple[Any, ...]) -> None:
+        self._shell.submit(command)
 
     # -- checks on the engine's thread -----------------------------------------------
 

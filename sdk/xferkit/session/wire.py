@@ -8,13 +8,15 @@ session's state. Nothing is pickled. docs/protocol.md describes each message.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Sent in ``Hello``/``Welcome``; a peer speaking another version is refused at handshake."""
 
 MAX_MESSAGE = 64 << 20
@@ -22,6 +24,9 @@ MAX_MESSAGE = 64 << 20
 
 MAX_SLOTS = 1 << 22
 """Most slot indices one request may name per pool."""
+
+SLOT = "<u4"
+"""How a ``Request`` packs slot indices: little-endian uint32, 4 bytes a slot (numpy dtype)."""
 
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=4096)]
@@ -34,9 +39,12 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
 Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE)]
 Stage = Annotated[str, msgspec.Meta(max_length=32)]
-Slots = dict[
-    Annotated[str, msgspec.Meta(max_length=256)],
-    Annotated[list[Slot], msgspec.Meta(max_length=MAX_SLOTS)],
+Slots = Annotated[
+    dict[
+        Annotated[str, msgspec.Meta(max_length=256)],
+        Annotated[bytes, msgspec.Meta(max_length=4 * MAX_SLOTS)],
+    ],
+    msgspec.Meta(max_length=256),
 ]
 
 
@@ -60,7 +68,12 @@ class _Introduction(_Msg, frozen=True):
 
 
 class Hello(_Introduction, frozen=True, tag="hello"):
-    """Decode -> prefill, once per pair."""
+    """Decode -> prefill, once per pair. The decode rank's place (``tp_rank`` of ``tp_size``,
+    stage ``pp_rank`` of ``pp_size``) is bound to the connection: every ``Request`` on it is
+    for that place."""
+
+    pp_rank: Rank = 0
+    pp_size: Size = 1
 
 
 class Welcome(_Introduction, frozen=True, tag="welcome"):
@@ -68,13 +81,15 @@ class Welcome(_Introduction, frozen=True, tag="welcome"):
     work (a PlanError's text, a refused endpoint): both sides then report that same text.
 
     ``staging`` ("auto", "always" or "never"), ``descriptor_bytes``, ``copy_cost`` and
-    ``slice_bytes`` (the
-    prefill rank's staging slice) are what the decode rank needs to choose the same routes
-    and cut the same rounds as the prefill rank.
+    ``slice_bytes`` (the prefill rank's staging slice) are what the decode rank needs to
+    choose the same routes and cut the same rounds as the prefill rank. ``drain_s`` bounds how
+    long the prefill rank's aborted writes may stay in its driver: a decode rank that gets no
+    ``AbortAck`` keeps a failing request's slots out of reuse that long.
     """
 
     stage: Stage = ""
     error: Text = ""
+    drain_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
     staging: Stage = "never"
     descriptor_bytes: U64 = 0
     copy_cost: Annotated[float, msgspec.Meta(gt=0, lt=1e6)] = 1.0
@@ -84,23 +99,24 @@ class Welcome(_Introduction, frozen=True, tag="welcome"):
 class Request(_Msg, frozen=True, tag="request"):
     """Decode -> prefill, the hot-path message: one per (destination rank, source rank).
 
-    ``needed`` is False when the plans say this source writes nothing into this
-    destination rank; the source still counts it, so it knows when every
-    destination rank of the request has been served: ``dst_size`` TP ranks in each of
-    ``dst_stages`` pipeline stages (``dst_stage`` is the sender's).
+    It claims the sender's place (from its ``Hello``) in request ``rid``: only this
+    connection may then abort, fail or unpack it. ``needed`` is False when the plans say
+    this source writes nothing into this destination rank; the source still counts it,
+    so it knows when every destination rank of the request has been served. ``slots``
+    packs each pool's slot indices as ``SLOT``. ``failed`` (with ``stage``) claims the
+    place for a request that already failed on the decode side (before it could ask):
+    the prefill rank fails it with that text and writes nothing.
     """
 
     rid: RequestId
     gen: U64
-    dst_rank: Rank
-    dst_size: Size
     needed: bool
     slots: Slots
     registration: U64 = 0  # the decode backend's registration generation now (stale check)
     staging: U64 = 0  # address of the staging slice this source may write rounds into (0: none)
     staging_bytes: U64 = 0
-    dst_stage: Count = 0
-    dst_stages: Size = 1
+    stage: Stage = ""
+    failed: Text = ""
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -267,6 +283,11 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     seq: Count
     total: Count
     round: Round | None = None  # set on the write of a staged round
+
+
+def pack_slots(slots: Mapping[str, Any]) -> dict[str, bytes]:
+    """Slot indices per pool as a ``Request`` carries them (``SLOT``)."""
+    return {p: np.asarray(s).astype(SLOT).tobytes() for p, s in slots.items()}
 
 
 def written(tag: Tag) -> Written:

@@ -1,0 +1,146 @@
+"""What the protocol core asks of the world: the actions its calls return.
+
+The core (``protocol.Protocol``) owns no socket, thread, clock or driver. Each of
+its entry points takes an event and ``now`` and returns a list of these; the
+shell (``shell.Shell``) carries them out: messages go to a connection, driver
+work goes to the data-plane worker, handle changes reach the engine's handles.
+A simulator carries them out against simulated networks and drivers instead.
+
+Connections are named, never trusted by what a message says: ``("up", address)``
+is this decode rank's DEALER to a prefill rank's session address, ``("down",
+ident)`` a ROUTER identity (a decode rank or group member that connected to us),
+``("group", address)`` a roster lookup, ``("member", server)`` this rank's
+registration with its group's roster server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..descriptors import Descriptors
+from ..manifest import Manifest
+from . import wire
+from .handles import RequestError, State
+
+Conn = tuple[str, Any]
+"""A connection: ``(kind, name)``; see the module docstring."""
+
+
+@dataclass(slots=True, frozen=True)
+class Send:
+    """Send ``msg`` on ``conn`` (opened by ``Open`` first, for DEALER kinds)."""
+
+    conn: Conn
+    msg: wire.Message
+
+
+@dataclass(slots=True, frozen=True)
+class Open:
+    """Open a DEALER for ``conn`` (its name is the session address to reach). A refusal comes
+    back as ``Protocol.refused``; a peer whose connection drops, as ``Protocol.disconnected``."""
+
+    conn: Conn
+
+
+@dataclass(slots=True, frozen=True)
+class Close:
+    """Close ``conn``'s DEALER; ``linger_ms`` lets messages just queued on it still leave."""
+
+    conn: Conn
+    linger_ms: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Connect:
+    """Connect the backend to a decode rank's endpoint (data-plane worker); answered by
+    ``Protocol.connected(key, peer, generation, error)``."""
+
+    key: bytes
+    endpoint: bytes
+    manifest: Manifest
+
+
+@dataclass(slots=True, frozen=True)
+class Disconnect:
+    """Disconnect a backend peer once nothing of ours writes through it."""
+
+    peer: Any
+
+
+@dataclass(slots=True, frozen=True)
+class Post:
+    """Post one write (data-plane worker); answered by ``Protocol.write_ended(wid, error)``.
+
+    ``not_after`` (on the shell's clock) refuses a post that waited past it: a rank that
+    was paused must not write into memory its peer may have reused meanwhile.
+    """
+
+    wid: int
+    peer: Any
+    descs: Descriptors
+    note: bytes | None
+    timeout: float
+    not_after: float
+
+
+@dataclass(slots=True, frozen=True)
+class Cancel:
+    """Abort write ``wid``; its ``write_ended`` comes once the driver let go of it."""
+
+    wid: int
+    why: str
+
+
+@dataclass(slots=True, frozen=True)
+class Move:
+    """``handle`` moves forward to ``state`` (never back, never out of a terminal state)."""
+
+    handle: Any
+    state: State
+
+
+@dataclass(slots=True, frozen=True)
+class Failing:
+    """``handle``'s request fails with ``error``; bytes may still land (draining)."""
+
+    handle: Any
+    error: RequestError
+
+
+@dataclass(slots=True, frozen=True)
+class Failed:
+    """``handle`` is FAILED: no byte of its request can land any more."""
+
+    handle: Any
+    error: RequestError
+
+
+@dataclass(slots=True, frozen=True)
+class Done:
+    """``handle`` is DONE."""
+
+    handle: Any
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    """``rid`` reached a terminal state here: ``Session.progress`` reports it once."""
+
+    rid: str
+
+
+Action = (
+    Send
+    | Open
+    | Close
+    | Connect
+    | Disconnect
+    | Post
+    | Cancel
+    | Move
+    | Failing
+    | Failed
+    | Done
+    | Finished
+)

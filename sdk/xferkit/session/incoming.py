@@ -1,0 +1,366 @@
+"""Incoming requests (the decode side): a ``Receive`` per request, counted complete from
+the plans.
+
+``expect`` resolves its sources (group addresses through the roster), opens a
+pair with each, proves with ``coverage`` which of them write into this rank,
+and sends each one a ``Request`` naming this rank's slots, which claims the
+request's place on that pair. A source is complete when its completion tags
+(on the driver's notification, after the data, or a ``Written`` message on
+its connection) add up to the total its last one announced; completions and
+failures count only from the sources the request named.
+
+FAILED means no byte can land any more: a failing request asks every source
+it named slots to for an ``AbortAck`` and reports FAILED once each answered,
+or its connection closed (the process is gone), or the bound derived from the
+source's own deadlines passed (its ``drain_s`` plus ``dead_after_s`` after the
+abort). Until then the handle is draining: ``failing`` holds the root cause.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+from ..planner import Coverage, coverage
+from ..staging import FORCE, stage
+from . import wire
+from .core import Out, Settings, log, stage_text
+from .handles import RequestError, State
+from .pairs import Pairs, Up
+from .rounds import Inbound
+
+
+class Source:
+    """What a decode request still needs from one source rank, and the staging slice it may
+    write rounds into (0: none; its chunks then go direct)."""
+
+    __slots__ = ("claimed", "inbound", "rank", "seen", "slice", "total")
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.seen, self.total = rank, 0, 0
+        self.slice = 0
+        self.inbound: dict[int, Inbound] = {}  # staged chunk -> its rounds, unpacked as they land
+        self.claimed: dict[str, np.ndarray] = {}  # pool -> the request's slots a chunk named
+
+    @property
+    def complete(self) -> bool:
+        return self.total > 0 and self.seen >= self.total
+
+
+class Recv:
+    """A decode request as the core tracks it."""
+
+    def __init__(
+        self, handle: object, rid: str, gen: int, spec: tuple[str, ...], slots: dict,
+        registration: int, deadline: float,
+    ) -> None:  # fmt: skip
+        self.handle = handle
+        self.rid = rid
+        self.gen = gen
+        self.spec = spec  # as given to expect: session or group addresses
+        self.sources: tuple[str, ...] = ()  # every source rank's session address, once resolved
+        self.slots: dict[str, np.ndarray] = slots
+        self.registration = registration
+        self.deadline = deadline
+        self.needed: dict[str, Source] = {}
+        self.requested: set[str] = set()
+        self.started = False
+        self.error: RequestError | None = None
+        self.acks: set[str] = set()
+        self.drain_until = 0.0
+
+
+class Incoming:
+    """Receives: starting them, counting completions, failing them once sources stopped."""
+
+    def __init__(self, s: Settings, out: Out, pairs: Pairs) -> None:
+        self.s, self.out, self.pairs = s, out, pairs
+        self.recvs: dict[str, Recv] = {}
+        self.gen = 0
+        self._coverage: dict[tuple[tuple[str, int], ...], Coverage | PlanError] = {}
+
+    def expect(
+        self, handle: object, rid: str, spec: tuple[str, ...], slots: dict, registration: int,
+        now: float,
+    ) -> Recv:  # fmt: skip
+        self.gen += 1
+        rec = Recv(handle, rid, self.gen, spec, slots, registration, now + self.s.request_timeout_s)
+        self.recvs[rid] = rec
+        return rec
+
+    def open_sources(self, rec: Recv, got: tuple[str, ...] | str | None, now: float) -> None:
+        """Open and handshake ``rec``'s resolved sources (``got``: from the roster), then start
+        it. Called again (by a roster reply, a Welcome, the tick) until it starts."""
+        if rec.started or rec.error is not None:
+            return
+        if not rec.sources:
+            if got is None:
+                return  # a group's roster is on its way
+            if not isinstance(got, str) and len(set(got)) != len(got):
+                got = f"the sources name a rank twice: {got}"
+            if isinstance(got, str):
+                self.fail(rec, "handshake", got, None, now)
+                return
+            rec.sources = got
+        for address in rec.sources:
+            self.pairs.open_up(address, now)
+        self.try_start(rec, now)
+
+    def try_start(self, rec: Recv, now: float) -> None:
+        """Send the Requests once every source has answered the handshake."""
+        if rec.started or rec.error is not None or not rec.sources:
+            return
+        ups = [self.pairs.ups.get(a) for a in rec.sources]
+        live = [u for u in ups if u is not None and u.ready]
+        if len(live) < len(ups):
+            return
+        rec.started = True
+        cov = self._cover(live)
+        if isinstance(cov, PlanError):
+            text = stage_text(rec.rid, "plan", f"decode rank {self.s.manifest.tp_rank}", str(cov))
+            self.fail(rec, "plan", text, None, now, formatted=True)
+            return
+        for i in cov.sources:
+            u = live[i]
+            assert u.welcome is not None
+            src = rec.needed[u.address] = Source(u.welcome.tp_rank)
+            if u.welcome.staging in FORCE and u.staged is None:
+                u.staged = stage(
+                    cov.plans[i],
+                    descriptor_bytes=u.welcome.descriptor_bytes,
+                    copy_cost=u.welcome.copy_cost,
+                    force=FORCE[u.welcome.staging],
+                )
+            if u.staged is not None and u.staged.unpacks(rec.slots):
+                src.slice = self.s.slices.take() or 0  # none free: this source writes direct
+        packed = wire.pack_slots(rec.slots)
+        half = self.s.slices.slice_bytes
+        for u in live:
+            need = rec.needed.get(u.address)
+            request = wire.Request(
+                rid=rec.rid,
+                gen=rec.gen,
+                needed=need is not None,
+                slots=packed,
+                registration=rec.registration,
+                staging=need.slice if need is not None else 0,
+                staging_bytes=half if need and need.slice else 0,
+            )
+            self.out.send(u.conn, request)
+            rec.requested.add(u.address)
+        self.out.move(rec.handle, State.WAITING)
+        self._check(rec)
+
+    def _cover(self, live: list[Up]) -> Coverage | PlanError:
+        key = tuple((u.address, u.welcome.incarnation if u.welcome else 0) for u in live)
+        cov = self._coverage.get(key)
+        if cov is None:
+            try:
+                cov = coverage(
+                    [u.manifest for u in live if u.manifest is not None], self.s.manifest
+                )
+            except PlanError as exc:
+                cov = exc
+            if len(self._coverage) > 256:
+                self._coverage.clear()
+            self._coverage[key] = cov
+        return cov
+
+    def _check(self, rec: Recv) -> None:
+        if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
+            self._release_slices(rec)
+            del self.recvs[rec.rid]
+            self.out.done(rec.handle, rec.rid)
+
+    def _release_slices(self, rec: Recv) -> None:
+        """Return ``rec``'s staging: every write into it landed or was confirmed stopped."""
+        for src in rec.needed.values():
+            if src.slice:
+                self.s.slices.give(src.slice)
+                src.slice = 0
+                src.inbound.clear()
+
+    def fail(
+        self, rec: Recv, stage: str, detail: str, peer: str | None, now: float, *,
+        formatted: bool = False, quiet: frozenset[str] = frozenset(),
+    ) -> None:  # fmt: skip
+        """Fail ``rec`` with this root cause; FAILED once every source still writing confirmed
+        it stopped (``Abort`` -> ``AbortAck``). Sources in ``quiet`` are known to write
+        nothing more (they said so, or their process is gone)."""
+        if rec.error is not None:
+            rec.acks -= quiet
+            self.settle(rec)
+            return
+        text = detail if formatted else stage_text(rec.rid, stage, self.s.where("decode"), detail)
+        rec.error = RequestError(text, stage=stage, request_id=rec.rid, peer=peer)
+        self.out.failing(rec.handle, rec.error)
+        abort = wire.Abort(rid=rec.rid, gen=rec.gen, stage=stage, text=text)
+        claim = wire.Request(
+            rid=rec.rid, gen=rec.gen, needed=False, slots={}, stage=stage, failed=text
+        )
+        drain = 0.0
+        for address in rec.sources:
+            up = self.pairs.ups.get(address)
+            if up is None or address in quiet:
+                continue
+            if not up.ready:  # mid-handshake: told once the Welcome comes, so an offer there
+                up.queued.append(claim)  # fails with this text rather than a lease timeout
+            elif address in rec.requested:
+                self.out.send(up.conn, abort)
+                rec.acks.add(address)
+                assert up.welcome is not None
+                drain = max(drain, up.welcome.drain_s)
+            else:  # it never heard of the request from us: tell it, nothing to wait for
+                self.out.send(up.conn, claim)
+        rec.drain_until = now + drain + self.s.dead_after_s
+        self.settle(rec)
+
+    def settle(self, rec: Recv) -> None:
+        if rec.error is None or rec.acks:
+            return
+        self._release_slices(rec)
+        if self.recvs.get(rec.rid) is rec:
+            del self.recvs[rec.rid]
+            self.out.failed(rec.handle, rec.error)
+
+    # -- pairs coming and going ------------------------------------------------------
+
+    def pair_ready(self, up: Up, now: float) -> None:
+        for rec in [r for r in self.recvs.values() if up.address in r.sources]:
+            self.try_start(rec, now)
+
+    def pair_failed(self, up: Up, stage: str, text: str, remote: bool, now: float) -> None:
+        """``up``'s handshake failed (``remote``: with the prefill rank's own text)."""
+        waiting = [r for r in self.recvs.values() if up.address in r.sources and not r.started]
+        me = self.s.where("decode")
+        for rec in waiting:
+            t = text if remote else stage_text(rec.rid, stage, me, text)
+            claim = wire.Request(
+                rid=rec.rid, gen=rec.gen, needed=False, slots={}, stage=stage, failed=t
+            )
+            self.out.send(up.conn, claim)  # so an offer there fails with the same text
+        for rec in waiting:
+            t = text if remote else stage_text(rec.rid, stage, me, text)
+            self.fail(rec, stage, t, up.address, now, formatted=True, quiet=frozenset({up.address}))
+
+    def pair_lost(self, up: Up, why: str, stage: str, gone: bool, now: float) -> None:
+        """``up`` is lost; ``gone``: its connection closed, so it writes nothing more."""
+        quiet = frozenset({up.address}) if gone else frozenset()
+        for rec in [r for r in self.recvs.values() if up.address in r.sources]:
+            self.fail(rec, stage, why, up.address, now, quiet=quiet)
+
+    # -- messages from prefill ranks -------------------------------------------------
+
+    def on_message(self, up: Up, msg: wire.Fail | wire.AbortAck, now: float) -> None:
+        rec = self.recvs.get(msg.rid)
+        if rec is None or rec.gen != msg.gen or up.address not in rec.requested:
+            log.info(
+                "%s: %s for request %r from %s, which it does not concern: dropped",
+                self.s.address, type(msg).__name__, msg.rid, up.address,
+            )  # fmt: skip
+            return
+        if isinstance(msg, wire.Fail):
+            quiet = frozenset({up.address})
+            self.fail(rec, msg.stage, msg.text, up.address, now, formatted=True, quiet=quiet)
+        else:
+            rec.acks.discard(up.address)
+            self.settle(rec)
+
+    def completed(self, up: Up, tag: wire.Tag, now: float) -> None:
+        rec = self.recvs.get(tag.rid)
+        if rec is None or rec.gen != tag.gen or rec.error is not None:
+            log.info(
+                "%s: late completion of %r from %s: dropped", self.s.address, tag.rid, up.address
+            )
+            return
+        src = rec.needed.get(up.address)
+        if src is None or src.rank != tag.src_rank:
+            log.warning(
+                "%s: completion of %r from %s, which it does not need: dropped",
+                self.s.address, tag.rid, up.address,
+            )  # fmt: skip
+            return
+        if tag.round is not None and not self._unpack(rec, up, src, tag.round, now):
+            return
+        src.seen += 1
+        if tag.total:
+            src.total = tag.total
+        self.out.move(rec.handle, State.TRANSFERRING)
+        self._check(rec)
+
+    def _unpack(self, rec: Recv, up: Up, src: Source, r: wire.Round, now: float) -> bool:
+        """Scatter a staged round that landed in ``src``'s slice into the request's slots, and
+        free its half; False (the request failed) for a round that matches nothing we offered."""
+        inbound = src.inbound.get(r.chunk)
+        problem = ""
+        if inbound is None:
+            try:
+                inbound = src.inbound[r.chunk] = self._inbound(rec, up, src, r)
+            except (PlanError, KeyError) as exc:
+                problem = f"a staged chunk naming {exc}"
+        if inbound is not None:
+            if not 0 <= r.index < len(inbound.req.rounds):
+                problem = f"round {r.index} of a chunk of {len(inbound.req.rounds)}"
+            elif inbound.req.rounds[r.index].dst_bytes:
+                if not src.slice or not inbound.landed(r.index, r.half):
+                    problem = f"round {r.index} landing twice or in staging never offered"
+                else:
+                    msg = wire.Unpacked(rid=rec.rid, gen=rec.gen, chunk=r.chunk, index=r.index)
+                    self.out.send(up.conn, msg)
+        if problem:
+            detail = f"{up.where()} sent {problem}: nothing of it was unpacked"
+            self.fail(rec, "transfer", detail, up.address, now)
+            return False
+        return True
+
+    def _inbound(self, rec: Recv, up: Up, src: Source, r: wire.Round) -> Inbound:
+        """The rounds of a new staged chunk, cut as the prefill rank cut them; ``PlanError``
+        for one naming slots outside the request, or slots another chunk named (a prefill's
+        chunks move forward: an overlap is forged, and would unpack twice)."""
+        if up.staged is None or up.welcome is None or self.s.copier is None:
+            raise PlanError("a round from a pair without staging")
+        chunk = {}
+        for pool, (first, count, sources) in r.at.items():
+            dst = rec.slots[pool][first : first + count]
+            claimed = src.claimed.get(pool)
+            if claimed is None:
+                claimed = src.claimed[pool] = np.zeros(rec.slots[pool].size, bool)
+            pages = up.staged.plan.pages(pool) or (1, 1)
+            if (
+                dst.size != count
+                or sources > count * pages[1]
+                or claimed[first : first + count].any()
+            ):
+                raise PlanError(f"slots [{first}, +{count}) of pool {pool!r} from {sources}")
+            claimed[first : first + count] = True
+            # Only how many: the sources' slots are the prefill rank's to know.
+            chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
+        half = self.s.slices.half
+        req = up.staged.expand(
+            chunk,
+            src_capacity=up.welcome.slice_bytes // 2,
+            dst_capacity=half if src.slice else 0,
+            direct=False,
+        )
+        return Inbound(req, src.slice, half, self.s.copier)
+
+    # -- timers ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        for rec in list(self.recvs.values()):
+            if rec.error is None and now > rec.deadline:
+                why = f"not done within request_timeout_s={self.s.request_timeout_s}"
+                self.fail(rec, "timeout", why, None, now)
+            elif rec.error is not None and now > rec.drain_until:
+                log.warning(
+                    "%s: request %r: no abort confirmation from %s within their drain bound",
+                    self.s.address, rec.rid, sorted(rec.acks),
+                )  # fmt: skip
+                rec.acks.clear()
+                self.settle(rec)
+
+    def next_deadline(self) -> float:
+        return min(
+            (r.drain_until if r.error is not None else r.deadline for r in self.recvs.values()),
+            default=float("inf"),
+        )

@@ -1,0 +1,475 @@
+"""Outgoing requests (the prefill side): a ``Send`` per request, its chunks written as
+destinations are known.
+
+A decode rank's ``Request`` claims its place (TP rank, stage, from its Hello) in
+the request for the connection it came on; only that connection may then abort,
+fail or unpack it. Each chunk of ``Send.write`` maps onto the next unfilled
+destination slots, expanded through the pair's plan and posted (``Post``) with
+the completion tag riding on the notification. Chunks written before the
+decode side asked are held, under a lease once the last one is in; requests
+asked for before ``offer`` are held within ``MAX_UNOFFERED`` and
+``MAX_UNOFFERED_SLOTS``. A failing request cancels its writes and is settled,
+its ``Fail`` / ``AbortAck`` sent, once every write reported its end.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ..descriptors import Descriptors
+from ..errors import PlanError, ProtocolError
+from . import actions as act
+from . import wire
+from .core import (
+    MAX_EARLY,
+    MAX_UNOFFERED,
+    MAX_UNOFFERED_SLOTS,
+    Out,
+    Settings,
+    log,
+    remember,
+    stage_text,
+)
+from .handles import RequestError, State
+from .pairs import Down
+from .sends import Dst, SendRec, unpack_slots
+from .staged import Stager
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class Outgoing:
+    """Sends: claims from decode ranks, chunks from the engine, writes, leases, failures."""
+
+    def __init__(self, s: Settings, out: Out) -> None:
+        self.s, self.out = s, out
+        self.sends: dict[str, SendRec] = {}
+        self.failing: dict[str, SendRec] = {}  # failed, writes still ending
+        self.writes: dict[int, tuple[SendRec, Dst]] = {}
+        self._wid = 0
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.early: OrderedDict[str, RequestError] = OrderedDict()  # failed before offer()
+        self.failed: OrderedDict[str, RequestError] = OrderedDict()
+        self.held = 0  # slot indices held by requests not offered yet
+        self.stager = Stager(s, self._post, self.fail)
+
+    def _rec(self, rid: str, now: float) -> SendRec:
+        rec = self.sends.get(rid)
+        if rec is None:
+            rec = self.sends[rid] = SendRec(rid, now + self.s.request_timeout_s)
+        return rec
+
+    def _reply(self, down: Down, rid: str, gen: int, stage: str, text: str) -> None:
+        self.out.send(down.conn, wire.Fail(rid=rid, gen=gen, stage=stage, text=text))
+
+    # -- claims --------------------------------------------------------------------------
+
+    def request(self, down: Down, msg: wire.Request, now: float) -> None:
+        rid, where = msg.rid, self.s.where("prefill")
+        if down.error is not None:  # the handshake failed: both sides report its text
+            stage, text = down.error
+            if rid not in self.failed and rid not in self.finished:
+                self._early_failure(rid, RequestError(text, stage=stage, request_id=rid), now)
+            self._reply(down, rid, msg.gen, stage, text)
+            return
+        failed = self.failed.get(rid) or self.early.get(rid)
+        if failed is not None:  # it failed here before this rank asked: the root cause
+            self._reply(down, rid, msg.gen, failed.stage, failed.args[0])
+            return
+        place, shape = (
+            (down.place.pp_rank, down.place.tp_rank),
+            (down.place.tp_size, down.place.pp_size),
+        )
+        rec = self.sends.get(rid)
+        problem = ""
+        if rid in self.finished:
+            problem = f"request id {rid!r} was already used with this prefill rank"
+        elif rec is not None and place in rec.dsts:
+            problem = f"request id {rid!r} was already used by {down.where()} (a second Request)"
+        elif rec is not None and rec.dst_size not in (None, shape):
+            problem = (
+                "decode ranks disagree on their TP size x pipeline stages "
+                f"({rec.dst_size} and {shape})"
+            )
+        if problem:
+            self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, problem))
+            return
+        if msg.failed:  # the decode rank failed it before it could ask: its text, its place
+            error = RequestError(msg.failed, stage=msg.stage or "request", request_id=rid)
+            if rec is None:
+                self._early_failure(rid, error, now)
+            else:
+                self.fail(rec, error.stage, msg.failed, formatted=True, gone=down)
+            return
+        if msg.registration != down.generation:
+            # Its memory changed since the endpoint we hold: writing through it could land in
+            # memory it no longer offers. Fails here, on both sides, before anything is posted.
+            detail = (
+                f"decode rank {down.place.tp_rank} re-registered its memory since the handshake "
+                f"(registration {down.generation}, now {msg.registration}): the endpoint this "
+                "rank holds is stale, so nothing is written through it"
+            )
+            text = stage_text(rid, "handshake", where, detail)
+            if rec is not None:
+                self.fail(rec, "handshake", text, formatted=True)
+            else:
+                self._early_failure(rid, RequestError(text, stage="handshake", request_id=rid), now)
+            self._reply(down, rid, msg.gen, "handshake", text)
+            return
+        assert down.plan is not None
+        if msg.needed == down.plan.empty:
+            detail = (
+                f"the plans disagree: decode rank {down.place.tp_rank} says it "
+                f"{'needs' if msg.needed else 'does not need'} this source"
+            )
+            self._reply(down, rid, msg.gen, "plan", stage_text(rid, "plan", where, detail))
+            return
+        try:
+            slots = unpack_slots(msg.slots)
+        except ProtocolError as exc:
+            self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, str(exc)))
+            return
+        count = sum(s.size for s in slots.values())
+        if rec is None or rec.handle is None:
+            busy = len(self.sends) - len([r for r in self.sends.values() if r.handle is not None])
+            if (rec is None and busy >= MAX_UNOFFERED) or self.held + count > MAX_UNOFFERED_SLOTS:
+                detail = (
+                    f"{busy} requests with {self.held} slots wait for offer() here "
+                    f"(MAX_UNOFFERED={MAX_UNOFFERED}, MAX_UNOFFERED_SLOTS={MAX_UNOFFERED_SLOTS})"
+                )
+                self._reply(
+                    down, rid, msg.gen, "request", stage_text(rid, "request", where, detail)
+                )
+                return
+        rec = self._rec(rid, now)
+        if rec.handle is None:
+            rec.held += count
+            self.held += count
+        if rec.lease_until is not None:  # claimed: the request's own deadline runs again
+            rec.lease_until = None
+            rec.deadline = now + self.s.request_timeout_s
+        rec.dst_size = shape
+        dst = rec.dsts[place] = Dst(down, msg, slots)
+        for chunk, last in rec.chunks:
+            if rec.error is None:
+                self._write_chunk(rec, dst, chunk, last, now)
+        self._check(rec)
+
+    def _early_failure(self, rid: str, error: RequestError, now: float) -> None:
+        rec = self.sends.get(rid)
+        if rec is not None:  # held, not offered
+            self.fail(rec, error.stage, error.args[0], formatted=True)
+        else:
+            remember(self.early, rid, error, MAX_EARLY)
+
+    def _unhold(self, rec: SendRec) -> None:
+        self.held -= rec.held
+        rec.held = 0
+
+    def remote_fail(self, down: Down, msg: wire.Abort | wire.Fail) -> None:
+        """An Abort or Fail, applied only to the place its connection claimed."""
+        rec = self.sends.get(msg.rid) or self.failing.get(msg.rid)
+        dst = None if rec is None else rec.dst_of(down)
+        if rec is None or dst is None or dst.gen != msg.gen:
+            log.info(
+                "%s: %s for %r from %s, which claimed no part of it: dropped",
+                self.s.address, type(msg).__name__, msg.rid, down.where(),
+            )  # fmt: skip
+            if isinstance(msg, wire.Abort):  # nothing of it is in flight towards that rank
+                self.out.send(down.conn, wire.AbortAck(rid=msg.rid, gen=msg.gen))
+            return
+        if rec.error is not None:
+            return  # failing already: its Fail, once drained, answers this
+        if isinstance(msg, wire.Abort):
+            self.fail(rec, msg.stage, msg.text, formatted=True, ack=down)
+        else:
+            self.fail(rec, msg.stage, msg.text, formatted=True, gone=down)
+
+    def unpacked(self, down: Down, msg: wire.Unpacked) -> None:
+        rec = self.sends.get(msg.rid)
+        dst = None if rec is None else rec.dst_of(down)
+        if rec is None or dst is None or not self.stager.unpacked(rec, dst, msg):
+            log.info("%s: Unpacked for %r, not staging here: dropped", self.s.address, msg.rid)
+            return
+        self._check(rec)
+
+    def renew(self, rids: list[str], now: float) -> None:
+        for rid in rids:
+            rec = self.sends.get(rid)
+            if rec is not None and rec.lease_until is not None:
+                rec.lease_until = now + self.s.lease_s
+            else:
+                log.info("%s: renewal of %r, which is not held: dropped", self.s.address, rid)
+
+    # -- the engine's side ---------------------------------------------------------------
+
+    def offer(self, handle: object, rid: str, now: float) -> None:
+        early = self.early.pop(rid, None)
+        if early is not None:  # decode ranks asking after this get the same root cause
+            remember(self.failed, rid, early)
+        if early is not None or rid in self.finished:
+            error = early or RequestError(
+                f"request {rid!r} already finished here", stage="request", request_id=rid
+            )
+            self.out.failed(handle, error)
+            return
+        rec = self._rec(rid, now)
+        rec.handle = handle
+        self._unhold(rec)
+        rec.deadline = now + self.s.request_timeout_s
+        if rec.dsts:
+            self.out.move(handle, State.WAITING)
+        self._check(rec)
+
+    def write(self, handle: object, slots: dict[str, np.ndarray], last: bool, now: float) -> None:
+        rec = self.sends.get(_rid(handle))
+        if rec is None or rec.handle is not handle or rec.error is not None:
+            return
+        rec.chunks.append((slots, last))
+        rec.last = last
+        if last and not rec.dsts:  # prefill finished first: hold under a lease
+            rec.lease_until = now + self.s.lease_s
+        for dst in rec.dsts.values():
+            self._write_chunk(rec, dst, slots, last, now)
+            if rec.error is not None:
+                return
+        self._check(rec)
+
+    def abort(self, handle: object) -> None:
+        rec = self.sends.get(_rid(handle))
+        if rec is not None and rec.handle is handle:
+            self.fail(rec, "abort", "aborted by the engine")
+
+    # -- writes ------------------------------------------------------------------------
+
+    def _write_chunk(
+        self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool, now: float
+    ) -> None:
+        request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        spans: dict[str, tuple[int, int, int]] = {}
+        plan = dst.down.plan
+        assert plan is not None
+        for pool, src in slots.items():
+            have = dst.slots.get(pool, _NONE)
+            at = dst.cursor.get(pool, 0)
+            pages = plan.pages(pool)
+            if pages is None:  # no region of it here (another pipeline stage's): none of ours
+                continue
+            count, problem = _dst_count(src.size, pages, last)
+            room = have.size - at
+            if not problem and count > room:
+                problem = f"{dst.down.where()} has {room} destination slots left"
+                if count - room < pages[0]:
+                    count, problem = room, ""  # the last source slot's pages nobody asked for
+            if problem:
+                self.fail(
+                    rec, "plan", f"a chunk names {src.size} slots of pool {pool!r}: {problem}"
+                )
+                return
+            request[pool] = (src, have[at : at + count])
+            spans[pool] = (at, count, src.size)
+            dst.cursor[pool] = at + count
+        if last:
+            # Pools no region of this pair holds (another pipeline stage's) are not ours to fill.
+            short = [
+                p
+                for p, s in dst.slots.items()
+                if dst.cursor[p] != s.size and plan.pages(p) is not None
+            ]
+            if short:
+                p = short[0]
+                self.fail(
+                    rec,
+                    "plan",
+                    f"the last chunk leaves {dst.slots[p].size - dst.cursor[p]} "
+                    f"destination slots of pool {p!r} of {dst.down.where()} unwritten",
+                )
+                return
+            dst.last = True
+        if not dst.needed:
+            return
+        staged = self.stager.chunk(rec, dst, request, spans)
+        chunk = None
+        if staged is not None:
+            descs, chunk = staged
+            dst.planned += chunk.out.rounds
+        else:
+            try:
+                descs = plan.expand(request)
+            except PlanError as exc:
+                self.fail(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
+                return
+        # The last chunk's writes announce the total; with none to post, an empty one does.
+        if len(descs) or (last and not self.stager.unposted(dst)):
+            dst.planned += 1
+            self._post(rec, dst, descs, None, now)
+        if chunk is not None:
+            self.stager.pump(rec, dst)
+
+    def _post(
+        self, rec: SendRec, dst: Dst, descs: Descriptors, r: wire.Round | None, now: float = -1.0
+    ) -> None:
+        """One write to ``dst`` with its completion tag (the total on every write once known)."""
+        if rec.error is not None:
+            return
+        now = self.now if now < 0 else now
+        total = dst.planned if dst.last else 0
+        tag = wire.Tag(rec.rid, dst.gen, self.s.manifest.tp_rank, dst.seq, total, r)
+        dst.seq += 1
+        self._wid += 1
+        wid = self._wid
+        self.writes[wid] = (rec, dst)
+        dst.pending[wid] = tag
+        dst.down.writes += 1
+        note = wire.encode(tag) if self.s.notifying else None
+        left = max(rec.deadline - now, 0.001)
+        horizon = now + max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
+        self.out.add(act.Post(wid, dst.down.peer, descs, note, left, horizon))
+        if rec.handle is not None:
+            self.out.move(rec.handle, State.TRANSFERRING)
+
+    now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
+
+    def write_ended(self, wid: int, error: str) -> Down | None:
+        """Write ``wid`` left the driver (``error``: it failed); the down that may now be
+        disconnected, if it was lost and this was its last write."""
+        got = self.writes.pop(wid, None)
+        if got is None:
+            return None
+        rec, dst = got
+        tag = dst.pending.pop(wid)
+        dst.down.writes -= 1
+        lost = dst.down if dst.down.lost and dst.down.writes == 0 else None
+        if rec.error is not None:
+            if not rec.pending:
+                self._settle(rec)
+            return lost
+        if error:
+            self.fail(rec, "transfer", error)
+            return lost
+        if not self.s.notifying:
+            self.out.send(dst.down.conn, wire.written(tag))
+        if tag.round is not None:  # its source half is free: pack the next
+            self.stager.written(rec, dst, tag.round)
+        self._check(rec)
+        return lost
+
+    def pump(self, rid: str) -> None:
+        rec = self.sends.get(rid)
+        if rec is None or rec.error is not None:
+            return
+        for dst in list(rec.dsts.values()):
+            self.stager.pump(rec, dst)
+        self._check(rec)
+
+    def _check(self, rec: SendRec) -> None:
+        if rec.error is not None or rec.handle is None or not rec.last or rec.dst_size is None:
+            return
+        if len(rec.dsts) < rec.dst_size[0] * rec.dst_size[1]:
+            return
+        for dst in rec.dsts.values():
+            if not dst.last or dst.pending or self.stager.unfinished(dst):
+                return
+        self.stager.release(rec)
+        del self.sends[rec.rid]
+        remember(self.finished, rec.rid, None)
+        self.out.done(rec.handle, rec.rid)
+
+    # -- failing -------------------------------------------------------------------------
+
+    def fail(
+        self, rec: SendRec, stage: str, detail: str, *, formatted: bool = False,
+        ack: Down | None = None, gone: Down | None = None,
+    ) -> None:  # fmt: skip
+        """Cancel ``rec``'s writes; once they left the driver, report the root cause to the
+        engine and every decode rank of the request (``ack`` gets an ``AbortAck`` instead,
+        ``gone`` nothing)."""
+        if rec.error is not None:
+            return
+        text = detail if formatted else stage_text(rec.rid, stage, self.s.where("prefill"), detail)
+        rec.error = RequestError(text, stage=stage, request_id=rec.rid)
+        rec.ack, rec.gone = ack, gone
+        del self.sends[rec.rid]
+        self._unhold(rec)
+        remember(self.failed, rec.rid, rec.error)
+        if rec.handle is not None:
+            self.out.failing(rec.handle, rec.error)
+        for dst in rec.dsts.values():
+            for wid in dst.pending:
+                self.out.add(act.Cancel(wid, text))
+        if rec.pending:
+            self.failing[rec.rid] = rec
+        else:
+            self._settle(rec)
+
+    def _settle(self, rec: SendRec) -> None:
+        assert rec.error is not None
+        self.failing.pop(rec.rid, None)
+        self.stager.release(rec)  # every write of it ended: nothing reads the slices
+        if rec.handle is not None:  # the engine learns first: a peer's answer may be read at once
+            self.out.failed(rec.handle, rec.error)
+        else:  # not offered yet: offer() will report it
+            remember(self.early, rec.rid, rec.error, MAX_EARLY)
+        ack, gone = rec.ack, rec.gone
+        for dst in rec.dsts.values():
+            if dst.down is gone or dst.down.lost:
+                continue
+            if dst.down is ack:
+                self.out.send(dst.down.conn, wire.AbortAck(rid=rec.rid, gen=dst.gen))
+            else:
+                msg = wire.Fail(
+                    rid=rec.rid, gen=dst.gen, stage=rec.error.stage, text=rec.error.args[0]
+                )
+                self.out.send(dst.down.conn, msg)
+
+    def down_lost(self, down: Down, why: str) -> bool:
+        """Fail every request ``down`` has a part in; True when nothing of ours still writes
+        to it (so it may be disconnected now)."""
+        down.lost = True
+        for rec in [r for r in self.sends.values() if r.dst_of(down) is not None]:
+            self.fail(rec, "peer lost", why, gone=down)
+        return down.writes == 0
+
+    # -- timers ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        for rec in list(self.sends.values()):
+            if rec.lease_until is not None:
+                if now > rec.lease_until:
+                    self.fail(
+                        rec,
+                        "timeout",
+                        f"written and held, but no decode rank claimed it within "
+                        f"lease_s={self.s.lease_s} (nothing was written)",
+                    )
+            elif now > rec.deadline:
+                why = f"not done within request_timeout_s={self.s.request_timeout_s}"
+                self.fail(rec, "timeout", why)
+
+    def next_deadline(self) -> float:
+        return min(
+            (
+                r.lease_until if r.lease_until is not None else r.deadline
+                for r in self.sends.values()
+            ),
+            default=float("inf"),
+        )
+
+
+def _rid(handle: object) -> str:
+    return handle.request_id  # type: ignore[attr-defined, no-any-return]
+
+
+def _dst_count(n: int, pages: tuple[int, int], last: bool) -> tuple[int, str]:
+    """Destination slots ``n`` source slots fill, or why a chunk cannot end there: a
+    destination slot holding several source pages is written by one chunk, unless it is last."""
+    ks, kd = pages
+    count = -(-n * ks // kd)
+    if n * ks % kd and not last:
+        return count, (
+            f"a destination slot holds {kd} source slots, so every chunk but the last names a "
+            f"multiple of {kd}"
+        )
+    return count, ""

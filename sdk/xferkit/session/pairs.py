@@ -1,0 +1,323 @@
+"""Pairs: one per (decode rank, prefill rank), opened by ``Hello`` / ``Welcome`` and kept
+alive by heartbeats.
+
+A pair is the connection that completed the handshake, and everything a
+message may touch is bound to it: the decode rank's place (TP rank, stage)
+from its ``Hello``, and the driver address of each side's endpoint. An
+endpoint may name only the memory of the peer that sent it: a ``Hello`` whose
+endpoint is this rank's own, or another live pair's, is refused, and so is a
+``Welcome`` naming a driver address another live pair holds. The prefill rank
+plans the pair, then asks the data plane to connect (``Connect``), and sends
+its ``Welcome`` once that is done; a failed handshake keeps only the peer's
+name and the error. A pair that failed is retried by the next request that
+needs it after a bounded exponential backoff: never a permanent blacklist.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from ..endpoint import endpoint_address
+from ..errors import ManifestError, PlanError, ProtocolError
+from ..manifest import Manifest
+from ..planner import Plan, plan
+from ..staging import FORCE, StagedPlan, stage
+from . import actions as act
+from . import wire
+from .core import MAX_PAIRS, Out, Settings, log
+
+_RNG = random.Random()
+
+
+class Up:
+    """A prefill rank as a decode rank sees it: our DEALER to its ROUTER."""
+
+    def __init__(self, address: str, now: float) -> None:
+        self.address = address
+        self.conn: act.Conn = ("up", address)
+        self.welcome: wire.Welcome | None = None
+        self.manifest: Manifest | None = None
+        self.driver_name = ""
+        self.hello_at = now
+        self.last_seen = now
+        self.last_ping = now
+        self.queued: list[wire.Message] = []  # sent once the Welcome came
+        self.staged: StagedPlan | None = None  # its routes into this rank, once a request needs it
+
+    @property
+    def ready(self) -> bool:
+        return self.welcome is not None
+
+    def where(self) -> str:
+        rank = "?" if self.welcome is None else self.welcome.tp_rank
+        return f"prefill rank {rank} ({self.address})"
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Who a decode rank is, from its Hello: all a failed pair keeps of it."""
+
+    address: str
+    incarnation: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+
+
+class Down:
+    """A decode rank as a prefill rank sees it: a ROUTER identity that said Hello."""
+
+    def __init__(self, ident: bytes, hello: wire.Hello, now: float) -> None:
+        self.ident = ident
+        self.conn: act.Conn = ("down", ident)
+        self.place = Place(
+            hello.address, hello.incarnation, hello.tp_rank, hello.tp_size, hello.pp_rank,
+            hello.pp_size,
+        )  # fmt: skip
+        self.driver_name = ""
+        self.manifest: Manifest | None = None  # until connected
+        self.peer: Any = None
+        self.generation = 0  # the decode rank's registration generation in its endpoint
+        self.plan: Plan | None = None
+        self.staged: StagedPlan | None = None  # None: every chunk goes direct
+        self.error: tuple[str, str] | None = None
+        self.ready = False
+        self.last_seen = now
+        self.writes = 0  # our writes to it still in the driver
+        self.lost = False  # once lost: nothing more is written to it
+
+    def where(self) -> str:
+        return f"decode rank {self.place.tp_rank} ({self.place.address})"
+
+
+class Backoff:
+    """When a peer that failed may be tried again: exponential, bounded, reset by a Welcome."""
+
+    __slots__ = ("failures", "retry_at")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.retry_at = 0.0
+
+    def failed(self, now: float, low: float, high: float, rng: random.Random = _RNG) -> float:
+        """Record one more failure; the delay before the next try (jittered, at most ``high``)."""
+        delay = min(high, low * 2.0**self.failures) * rng.uniform(0.5, 1.0)
+        self.failures += 1
+        self.retry_at = now + delay
+        return delay
+
+
+class Pairs:
+    """Both sides' pairs: opening, the handshake, heartbeats, losing them."""
+
+    def __init__(self, s: Settings, out: Out) -> None:
+        self.s, self.out = s, out
+        self.ups: dict[str, Up] = {}
+        self.by_driver: dict[str, Up] = {}
+        self.backoff: dict[str, Backoff] = {}
+        self.downs: dict[bytes, Down] = {}
+        self.down_drivers: dict[str, Down] = {}
+
+    # -- decode side -----------------------------------------------------------------
+
+    def open_up(self, address: str, now: float) -> Up | None:
+        """Our pair with a prefill rank, opened (Hello sent) on first use; None while a failed
+        pair waits out its backoff."""
+        up = self.ups.get(address)
+        if up is not None:
+            return up
+        backoff = self.backoff.get(address)
+        if backoff is not None and now < backoff.retry_at:
+            return None
+        up = self.ups[address] = Up(address, now)
+        self.out.add(act.Open(up.conn))
+        hello = wire.Hello(**self.s.hello(), pp_rank=self.s.pp_rank, pp_size=self.s.pp_size)
+        self.out.send(up.conn, hello)
+        return up
+
+    def drop_up(self, up: Up, now: float, linger_ms: int = 0) -> None:
+        """Forget ``up`` and back off before the next try; ``linger_ms`` lets messages just
+        queued to it still leave."""
+        if self.ups.get(up.address) is up:
+            del self.ups[up.address]
+            self.out.add(act.Close(up.conn, linger_ms))
+        if self.by_driver.get(up.driver_name) is up:
+            del self.by_driver[up.driver_name]
+        s = self.s
+        delay = self.backoff.setdefault(up.address, Backoff()).failed(
+            now, s.reconnect_min_s, s.reconnect_max_s, s.rng
+        )
+        log.info(
+            "%s: next handshake with %s in %.2f s at the earliest",
+            self.s.address,
+            up.address,
+            delay,
+        )
+
+    def welcome(self, up: Up, msg: wire.Welcome) -> tuple[str, str] | None:
+        """Take ``up``'s Welcome; the (stage, text) why the pair cannot work, if it cannot."""
+        if msg.version != wire.PROTOCOL_VERSION:
+            return (
+                "handshake",
+                f"{up.address} speaks protocol {msg.version}, we speak {wire.PROTOCOL_VERSION}",
+            )
+        if msg.error:
+            return (msg.stage or "handshake", msg.error)
+        try:
+            driver = f"{msg.backend}:{endpoint_address(msg.endpoint)}"
+            up.manifest = Manifest.decode(msg.manifest)
+        except (ProtocolError, ManifestError) as exc:
+            return ("handshake", f"{up.address} sent a malformed introduction: {exc}")
+        holder = self.by_driver.get(driver)
+        if driver == self.s.driver_name or (holder is not None and holder is not up):
+            who = "this rank" if holder is None else holder.where()
+            return ("handshake", f"{up.address} named the driver address of {who} ({driver})")
+        up.welcome, up.driver_name = msg, driver
+        self.by_driver[driver] = up
+        self.backoff.pop(up.address, None)
+        for queued in up.queued:
+            self.out.send(up.conn, queued)
+        up.queued.clear()
+        return None
+
+    # -- prefill side ----------------------------------------------------------------
+
+    def hello(self, ident: bytes, msg: wire.Hello, now: float) -> Down | None:
+        """A decode rank's Hello: planned and connecting (``Connect``), or refused at once
+        (its Welcome says why). None when it is refused without a pair kept."""
+        where = self.s.where("prefill")
+        if len(self.downs) >= MAX_PAIRS:
+            text = f"{where} holds {MAX_PAIRS} pairs already (MAX_PAIRS): refused"
+            self.out.send(("down", ident), self._welcome("handshake", text))
+            return None
+        down = self.downs[ident] = Down(ident, msg, now)
+        try:
+            driver = f"{msg.backend}:{endpoint_address(msg.endpoint)}"
+        except ProtocolError as exc:
+            return self._refuse(
+                down, "handshake", f"{msg.address} sent a malformed endpoint: {exc}"
+            )
+        holder = self.down_drivers.get(driver)
+        if msg.version != wire.PROTOCOL_VERSION:
+            v = wire.PROTOCOL_VERSION
+            why = f"{where} speaks protocol {v}, {msg.address} speaks {msg.version}"
+            return self._refuse(down, "handshake", why)
+        if msg.backend != self.s.backend:
+            why = f"{where} uses backend {self.s.backend}, {msg.address} uses {msg.backend}"
+            return self._refuse(down, "handshake", why)
+        if driver == self.s.driver_name or holder is not None:
+            who = "this rank's own memory" if holder is None else f"the memory of {holder.where()}"
+            why = f"{msg.address}'s endpoint names {who} ({driver}): refused"
+            return self._refuse(down, "handshake", why)
+        try:
+            manifest = Manifest.decode(msg.manifest)
+            down.plan = plan(self.s.manifest, manifest)
+            if self.s.staging in FORCE:
+                down.staged = stage(
+                    down.plan,
+                    descriptor_bytes=self.s.descriptor_bytes,
+                    copy_cost=self.s.copy_cost,
+                    force=FORCE[self.s.staging],
+                )
+        except PlanError as exc:
+            why = f"plan from {where} to decode rank {msg.tp_rank} ({msg.address}): {exc}"
+            return self._refuse(down, "plan", why)
+        except ManifestError as exc:
+            return self._refuse(
+                down, "handshake", f"{msg.address} sent a malformed manifest: {exc}"
+            )
+        down.driver_name = driver
+        self.down_drivers[driver] = down
+        self.out.add(act.Connect(ident, msg.endpoint, manifest))
+        return down
+
+    def connected(self, ident: bytes, peer: Any, generation: int, error: str) -> Down | None:
+        """The data plane connected (or failed to) for ``ident``'s Hello: send the Welcome."""
+        down = self.downs.get(ident)
+        if down is None or down.ready or down.error is not None:
+            if peer is not None:  # replaced or lost meanwhile
+                self.out.add(act.Disconnect(peer))
+            return None
+        if error:
+            where = self.s.where("prefill")
+            why = f"{where} cannot reach {down.where()}: {error}"
+            self._refuse(down, "handshake", why)
+            return down
+        down.peer, down.generation, down.ready = peer, generation, True
+        self.out.send(down.conn, self._welcome())
+        return down
+
+    def _refuse(self, down: Down, stage: str, why: str) -> Down:
+        log.warning("%s: %s", self.s.address, why)
+        down.error = (stage, wire.clip(why))
+        down.plan = down.staged = None
+        if self.down_drivers.get(down.driver_name) is down:
+            del self.down_drivers[down.driver_name]
+        self.out.send(down.conn, self._welcome(stage, why))
+        return down
+
+    def _welcome(self, stage: str = "", error: str = "") -> wire.Welcome:
+        s = self.s
+        return wire.Welcome(
+            **s.hello(),
+            stage=stage,
+            error=error,
+            drain_s=s.drain_s,
+            staging=s.staging,
+            descriptor_bytes=s.descriptor_bytes,
+            copy_cost=s.copy_cost,
+            slice_bytes=s.slices.slice_bytes,
+        )
+
+    def drop_down(self, down: Down) -> None:
+        if self.downs.get(down.ident) is down:
+            del self.downs[down.ident]
+        if self.down_drivers.get(down.driver_name) is down:
+            del self.down_drivers[down.driver_name]
+
+    # -- heartbeats --------------------------------------------------------------------
+
+    def tick(self, now: float) -> tuple[list[tuple[Up, str, str]], list[tuple[Down, str]]]:
+        """Ping what is due; the pairs lost to silence: (up, why, stage), (down, why)."""
+        s = self.s
+        lost_ups: list[tuple[Up, str, str]] = []
+        for up in self.ups.values():
+            if not up.ready:
+                if now - up.hello_at > s.handshake_timeout_s:
+                    why = (
+                        f"no handshake reply from {up.address} within {s.handshake_timeout_s} s "
+                        "(not running or unreachable)"
+                    )
+                    lost_ups.append((up, why, "handshake"))
+            elif now - up.last_seen > s.dead_after_s:
+                why = (
+                    f"{up.where()} sent nothing for {now - up.last_seen:.1f} s "
+                    f"(dead_after_s={s.dead_after_s})"
+                )
+                lost_ups.append((up, why, "peer lost"))
+            elif now - up.last_ping >= s.heartbeat_s:
+                up.last_ping = now
+                self.out.send(up.conn, wire.Ping(incarnation=s.incarnation))
+        lost_downs = [
+            (
+                d,
+                f"{d.where()} sent nothing for {now - d.last_seen:.1f} s "
+                f"(dead_after_s={s.dead_after_s})",
+            )
+            for d in self.downs.values()
+            if now - d.last_seen > s.dead_after_s
+        ]
+        return lost_ups, lost_downs
+
+    def next_deadline(self) -> float:
+        """When ``tick`` has something to do at the earliest."""
+        s = self.s
+        times = [
+            (up.last_ping + s.heartbeat_s) if up.ready else (up.hello_at + s.handshake_timeout_s)
+            for up in self.ups.values()
+        ]
+        times += [d.last_seen + s.dead_after_s for d in self.downs.values()]
+        return min(times, default=float("inf"))

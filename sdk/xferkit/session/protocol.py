@@ -1,0 +1,381 @@
+"""The Session's protocol core: events and ``now`` in, actions out.
+
+Like h11's ``Connection`` or aioquic's ``QuicConnection``, ``Protocol`` owns
+no socket, thread, clock or driver. Every entry point takes one event (an
+engine command, a message tagged with the connection it came on, a driver
+event, a timer) and the time, and returns the actions it calls for
+(``actions``). The shell carries them out; a test or a simulator can drive
+two or more Protocols by hand.
+
+It routes each event to the part that owns it: ``Pairs`` (handshakes and
+heartbeats), ``Incoming`` (decode requests), ``Outgoing`` (prefill requests)
+and ``Roster`` (group bootstrap), and does what crosses them: a pair lost fails
+the requests that need it. A message from a connection acts only on what
+belongs to that connection; anything else is dropped with a log line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ProtocolError
+from . import actions as act
+from . import wire
+from .core import Out, Settings, log
+from .incoming import Incoming, Recv
+from .outgoing import Outgoing
+from .pairs import Down, Pairs, Up
+from .roster import GROUP, Roster
+
+LINGER_MS = 500
+"""How long a connection closed right after its last messages were queued keeps sending them."""
+
+
+class Protocol:
+    """One rank's control plane, without I/O. See the module docstring."""
+
+    def __init__(self, settings: Settings, *, group: str | None = None) -> None:
+        self.s = settings
+        self.out = Out()
+        self.pairs = Pairs(settings, self.out)
+        self.incoming = Incoming(settings, self.out, self.pairs)
+        self.outgoing = Outgoing(settings, self.out)
+        self.roster = Roster(settings, self.out, group)
+        self.last: float | None = None
+        self.tick_s = min(settings.heartbeat_s / 4, 0.05)
+
+    def start(self) -> list[act.Action]:
+        """What the shell does first (open the group membership, if any)."""
+        return self.out.take()
+
+    def _enter(self, now: float) -> None:
+        """Every entry point's first step: a gap since the last one means this rank was paused
+        (SIGSTOP, a frozen VM) long enough for its decode ranks to declare it lost and reuse
+        their slots: nothing more is written to them before a new handshake."""
+        last, self.last = self.last, now
+        self.outgoing.now = now
+        gap = 0.0 if last is None else now - last
+        if gap > self.s.dead_after_s - self.s.heartbeat_s and self.pairs.downs:
+            why = (
+                f"{self.s.where('prefill')} was paused for {gap:.1f} s (dead_after_s="
+                f"{self.s.dead_after_s}): its decode ranks may have declared it lost"
+            )
+            log.warning("%s: %s", self.s.address, why)
+            for down in list(self.pairs.downs.values()):
+                self._lose_down(down, why)
+
+    # -- engine commands -----------------------------------------------------------------
+
+    def expect(
+        self, handle: object, rid: str, spec: tuple[str, ...], slots: dict[str, np.ndarray],
+        registration: int, now: float,
+    ) -> list[act.Action]:  # fmt: skip
+        self._enter(now)
+        rec = self.incoming.expect(handle, rid, spec, slots, registration, now)
+        self._resolve(rec, now)
+        return self.out.take()
+
+    def offer(self, handle: object, rid: str, now: float) -> list[act.Action]:
+        self._enter(now)
+        self.outgoing.offer(handle, rid, now)
+        return self.out.take()
+
+    def write(
+        self, handle: object, slots: dict[str, np.ndarray], last: bool, now: float
+    ) -> list[act.Action]:
+        self._enter(now)
+        self.outgoing.write(handle, slots, last, now)
+        return self.out.take()
+
+    def abort(self, handle: object, now: float) -> list[act.Action]:
+        self._enter(now)
+        rid = handle.request_id  # type: ignore[attr-defined]
+        rec = self.incoming.recvs.get(rid)
+        if rec is not None and rec.handle is handle:
+            self.incoming.fail(rec, "abort", "aborted by the engine", None, now)
+        else:
+            self.outgoing.abort(handle)
+        return self.out.take()
+
+    def renew(self, rid: str, spec: tuple[str, ...], now: float) -> list[act.Action]:
+        """Ask the sources to keep holding ``rid`` for another lease (sent after the handshake
+        when the pair is new; dropped with a log line when it cannot be)."""
+        self._enter(now)
+        got = self.roster.expand(spec, now)
+        if got is None:
+            for address in spec:
+                group = self.roster.groups.get(address)
+                if group is not None and group.roster is None:
+                    group.renewals.add(rid)
+        elif isinstance(got, str):
+            log.warning("%s: renewing %r: %s", self.s.address, rid, got)
+        else:
+            msg = wire.Renew(rids=[rid])
+            for address in got:
+                up = self.pairs.open_up(address, now)
+                if up is None:
+                    log.warning(
+                        "%s: renewing %r with %s: backing off", self.s.address, rid, address
+                    )
+                elif up.ready:
+                    self.out.send(up.conn, msg)
+                else:
+                    up.queued.append(msg)
+        return self.out.take()
+
+    def close(self, why: str, now: float) -> list[act.Action]:
+        """Fail every open request on both sides (the decode side cannot wait: its memory is
+        about to go). The shell lets the writes end, then calls ``goodbye``."""
+        self._enter(now)
+        for rec in list(self.incoming.recvs.values()):
+            if rec.error is None:
+                self.incoming.fail(rec, "closed", why, None, now)
+            rec.acks.clear()
+            self.incoming.settle(rec)
+        for srec in list(self.outgoing.sends.values()):
+            self.outgoing.fail(srec, "closed", why)
+        return self.out.take()
+
+    def goodbye(self, why: str) -> list[act.Action]:
+        """Say ``Bye`` to every peer and close every connection."""
+        bye = wire.Bye(incarnation=self.s.incarnation, reason=why)
+        for up in list(self.pairs.ups.values()):
+            self.out.send(up.conn, bye)
+            self.out.add(act.Close(up.conn, LINGER_MS))
+        for down in list(self.pairs.downs.values()):
+            self.out.send(down.conn, bye)
+        self.pairs.ups.clear()
+        self.roster.leave()
+        return self.out.take()
+
+    # -- messages ------------------------------------------------------------------------
+
+    def receive(self, conn: act.Conn, msg: wire.Message, now: float) -> list[act.Action]:
+        """``msg`` arrived on ``conn``: it acts only on what belongs to that connection."""
+        self._enter(now)
+        kind = conn[0]
+        if kind == "down":
+            self._from_down(conn[1], msg, now)
+        elif kind == "up":
+            up = self.pairs.ups.get(conn[1])
+            if up is None:
+                log.info("%s: %s from a closed pair: dropped", self.s.address, type(msg).__name__)
+            else:
+                up.last_seen = now
+                self._from_up(up, msg, now)
+        elif kind == "group":
+            group = self.roster.on_roster(conn, msg, now)
+            if group is not None:
+                for rec in [r for r in self.incoming.recvs.values() if group.address in r.spec]:
+                    self._resolve(rec, now)
+                rids, group.renewals = group.renewals, set()
+                for rid in rids:
+                    self.out.actions += self.renew(rid, (group.address,), now)
+        elif kind == "member":
+            self.roster.on_joined(msg)
+        return self.out.take()
+
+    def _from_down(self, ident: bytes, msg: wire.Message, now: float) -> None:
+        if isinstance(msg, wire.Hello):
+            old = self.pairs.downs.get(ident)
+            if old is not None:
+                self._lose_down(old, f"{old.where()} said Hello again: starting over")
+            self.pairs.hello(ident, msg, now)
+            return
+        if isinstance(msg, wire.Join):
+            self.roster.join(ident, msg, now)
+            return
+        if isinstance(msg, wire.Lookup):
+            self.roster.lookup(ident, now)
+            return
+        down = self.pairs.downs.get(ident)
+        if down is None:
+            log.warning(
+                "%s: %s from a peer that never said Hello: dropped",
+                self.s.address,
+                type(msg).__name__,
+            )
+            return
+        down.last_seen = now
+        if isinstance(msg, wire.Ping):
+            if msg.incarnation == down.place.incarnation:
+                self.out.send(down.conn, wire.Pong(incarnation=self.s.incarnation))
+        elif isinstance(msg, wire.Bye):
+            self._lose_down(down, f"{down.where()} closed its session: {msg.reason}")
+        elif not (down.ready or (down.error is not None and isinstance(msg, wire.Request))):
+            log.warning(
+                "%s: %s from %s before its Welcome: dropped",
+                self.s.address,
+                type(msg).__name__,
+                down.where(),
+            )
+        elif isinstance(msg, wire.Request):
+            self.outgoing.request(down, msg, now)
+        elif isinstance(msg, wire.Abort | wire.Fail):
+            self.outgoing.remote_fail(down, msg)
+        elif isinstance(msg, wire.Unpacked):
+            self.outgoing.unpacked(down, msg)
+        elif isinstance(msg, wire.Renew):
+            self.outgoing.renew(msg.rids, now)
+        else:
+            log.warning(
+                "%s: unexpected %s from %s: dropped",
+                self.s.address,
+                type(msg).__name__,
+                down.where(),
+            )
+
+    def _from_up(self, up: Up, msg: wire.Message, now: float) -> None:
+        if isinstance(msg, wire.Welcome):
+            if up.welcome is not None:
+                log.warning("%s: a second Welcome from %s: dropped", self.s.address, up.address)
+                return
+            problem = self.pairs.welcome(up, msg)
+            if problem is None:
+                self.incoming.pair_ready(up, now)
+                return
+            stage, text = problem
+            self.incoming.pair_failed(up, stage, text, bool(msg.error), now)
+            # The claims just queued must still leave: closed at once, ZMQ drops them.
+            self.pairs.drop_up(up, now, linger_ms=LINGER_MS)
+        elif up.welcome is None:
+            log.warning(
+                "%s: %s from %s before its Welcome: dropped",
+                self.s.address,
+                type(msg).__name__,
+                up.address,
+            )
+        elif isinstance(msg, wire.Pong):
+            if msg.incarnation != up.welcome.incarnation:
+                self._lose_up(up, f"{up.where()} restarted (new incarnation)", "peer lost", now)
+        elif isinstance(msg, wire.Fail | wire.AbortAck):
+            self.incoming.on_message(up, msg, now)
+        elif isinstance(msg, wire.Written):
+            self.incoming.completed(up, wire.tag_of(msg), now)
+        elif isinstance(msg, wire.Bye):
+            self._lose_up(
+                up, f"{up.where()} closed its session: {msg.reason}", "peer lost", now, gone=True
+            )
+        else:
+            log.warning(
+                "%s: unexpected %s from %s: dropped", self.s.address, type(msg).__name__, up.address
+            )
+
+    # -- driver and connection events ----------------------------------------------------
+
+    def notification(self, driver: str, data: bytes, now: float) -> list[act.Action]:
+        """A driver notification from the peer ``driver`` (``backend:address``), after the
+        data: counted only for the pair that holds that driver address."""
+        self._enter(now)
+        up = self.pairs.by_driver.get(driver)
+        if up is None:
+            log.warning(
+                "%s: a notification from unknown driver peer %s: dropped", self.s.address, driver
+            )
+            return self.out.take()
+        try:
+            tag = wire.decode_tag(data)
+        except ProtocolError as exc:
+            log.warning("%s: notification from %s: %s", self.s.address, up.address, exc)
+            return self.out.take()
+        self.incoming.completed(up, tag, now)
+        return self.out.take()
+
+    def connected(
+        self, ident: bytes, peer: object, generation: int, error: str, now: float
+    ) -> list[act.Action]:
+        self._enter(now)
+        self.pairs.connected(ident, peer, generation, error)
+        return self.out.take()
+
+    def write_ended(self, wid: int, error: str, now: float) -> list[act.Action]:
+        self._enter(now)
+        down = self.outgoing.write_ended(wid, error)
+        if down is not None and down.peer is not None:
+            self.out.add(act.Disconnect(down.peer))
+        return self.out.take()
+
+    def pump(self, rid: str, now: float) -> list[act.Action]:
+        """A pack of ``rid`` finished: post what is ready."""
+        self._enter(now)
+        self.outgoing.pump(rid)
+        return self.out.take()
+
+    def disconnected(self, conn: act.Conn, now: float) -> list[act.Action]:
+        """``conn``'s peer closed the connection: its process exited or its session closed,
+        so it writes nothing more."""
+        self._enter(now)
+        up = self.pairs.ups.get(conn[1]) if conn[0] == "up" else None
+        if up is not None and up.ready:
+            why = f"{up.where()} closed its connection (its process exited or its session closed)"
+            self._lose_up(up, why, "peer lost", now, gone=True)
+        return self.out.take()
+
+    def refused(self, conn: act.Conn, why: str, now: float) -> list[act.Action]:
+        """``conn`` cannot be had (a key refused, an address that cannot be reached)."""
+        self._enter(now)
+        if conn[0] == "up" and (up := self.pairs.ups.get(conn[1])) is not None:
+            self._lose_up(up, why, "handshake", now, gone=True)
+        elif conn[0] == "group" and (group := self.roster.refused_group(conn)) is not None:
+            self.roster.drop(group)
+            self._fail_group(group.address, why, now)
+        else:
+            log.error("%s: %s", self.s.address, why)
+        return self.out.take()
+
+    # -- time --------------------------------------------------------------------------
+
+    def timer(self, now: float) -> list[act.Action]:
+        self._enter(now)
+        lost_ups, lost_downs = self.pairs.tick(now)
+        for up, why, stage in lost_ups:
+            self._lose_up(up, why, stage, now)
+        for down, why in lost_downs:
+            self._lose_down(down, why)
+        for group, why in self.roster.tick(now):
+            self._fail_group(group.address, why, now)
+        self.incoming.tick(now)
+        for rec in [r for r in self.incoming.recvs.values() if not r.started and r.error is None]:
+            self._resolve(rec, now)  # a pair that was backing off may be tried now
+        self.outgoing.tick(now)
+        return self.out.take()
+
+    def next_deadline(self) -> float:
+        """When ``timer`` must run at the latest (it also runs whenever anything else does)."""
+        last = self.last if self.last is not None else 0.0
+        return min(
+            last + self.tick_s,
+            self.pairs.next_deadline(),
+            self.roster.next_deadline(),
+            self.incoming.next_deadline(),
+            self.outgoing.next_deadline(),
+        )
+
+    # -- what crosses the parts --------------------------------------------------------
+
+    def _resolve(self, rec: Recv, now: float) -> None:
+        got = None if rec.sources else self.roster.expand(rec.spec, now)
+        self.incoming.open_sources(rec, got, now)
+
+    def _fail_group(self, address: str, why: str, now: float) -> None:
+        server = address[len(GROUP) :]
+        for rec in list(self.incoming.recvs.values()):
+            if address in rec.spec and not rec.sources and rec.error is None:
+                self.incoming.fail(rec, "handshake", why, server, now)
+
+    def _lose_up(self, up: Up, why: str, stage: str, now: float, gone: bool = False) -> None:
+        """A prefill rank is gone (dead, restarted, closed, unreachable, silent): tell it (it may
+        only be paused: it must then write nothing more to us), fail what needs it."""
+        log.warning("%s: %s", self.s.address, why)
+        if up.ready and not gone:
+            self.out.send(up.conn, wire.Bye(incarnation=self.s.incarnation, reason=why))
+        self.pairs.drop_up(up, now, linger_ms=0 if gone else LINGER_MS)
+        self.roster.forget(up.address)
+        self.incoming.pair_lost(up, why, stage, gone, now)
+
+    def _lose_down(self, down: Down, why: str) -> None:
+        """A decode rank is gone: fail its requests; disconnect once our writes to it ended."""
+        log.warning("%s: %s", self.s.address, why)
+        self.pairs.drop_down(down)
+        if self.outgoing.down_lost(down, why) and down.peer is not None:
+            self.out.add(act.Disconnect(down.peer))

@@ -1,0 +1,437 @@
+"""The I/O shell: the only code that touches ZMQ, and the control thread that runs it.
+
+One ROUTER (bound: decode ranks, group members and roster lookups connect to
+it), one DEALER per connection the core opens, each with a socket monitor
+(a refused Curve key, a peer whose connection closed), and a socketpair the
+engine's threads and the data plane use to wake the loop. The loop sleeps
+until a socket, a command or the core's next deadline; it feeds each event to
+the core (``Protocol``) and carries out the actions it returns: messages to
+sockets, driver work to the data-plane worker (``DataPlane``), state to the
+engine's handles. It never calls the driver itself, except to drain
+notifications.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+import zmq.utils.monitor
+
+from ..backend import Backend
+from ..copier import Copier
+from ..descriptors import Descriptors
+from ..errors import ProtocolError, XferError
+from . import actions as act
+from . import wire
+from .core import DRAIN_S, log
+from .dataplane import DataPlane
+from .keys import KEY_LEN, SessionKeys
+from .protocol import Protocol
+
+HWM = 100_000
+"""ZMQ high-water mark of every socket: messages queued before a send would block."""
+POLL_S = 0.001
+"""How often notifications are polled for a driver without a descriptor to sleep on."""
+_MONITORED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
+
+
+class Trust:
+    """The ZAP callback: a client key is accepted only if trusted; refusals are logged."""
+
+    def __init__(self, trusted: frozenset[bytes], name: str) -> None:
+        self.trusted, self.name = trusted, name
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.trusted:
+            return True
+        log.warning("%s: refused a peer presenting untrusted Curve key %s", self.name, key.decode())
+        return False
+
+
+def _limits(sock: zmq.Socket[Any]) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+
+
+class Shell:
+    """Sockets, the command queue and the control thread. See the module docstring."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        bind: str,
+        keys: SessionKeys | None,
+        reconnect: tuple[float, float],
+        copier: Copier,
+    ) -> None:
+        self.backend, self.keys, self.reconnect = backend, keys, reconnect
+        self.ctx = zmq.Context()
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self.router = self.ctx.socket(zmq.ROUTER)
+        _limits(self.router)
+        if keys is not None:
+            self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", Trust(keys.trusted, bind))
+            self.router.curve_secretkey = keys.secret
+            self.router.curve_publickey = keys.public
+            self.router.curve_server = True
+        else:
+            log.warning(
+                "xferkit Session at %s runs without CurveZMQ keys: anyone who can reach it can "
+                "name slots and trigger writes into this rank's memory (pass keys=SessionKeys)",
+                bind,
+            )
+        try:
+            self.router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
+        except zmq.ZMQError as exc:
+            self.teardown()
+            raise XferError(f"Session cannot bind {bind!r}: {exc}") from None
+        self.where = str(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.protocol: Protocol | None = None
+        self.lock = threading.Lock()
+        self.commands: deque[tuple[Any, ...]] = deque()
+        self.progress: list[str] = []
+        self._woken = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._socks: dict[act.Conn, zmq.Socket[Any]] = {}
+        self._monitors: dict[zmq.Socket[Any], act.Conn] = {}
+        self._dealers: dict[zmq.Socket[Any], act.Conn] = {}
+        self._copier = copier
+        self._packer: ThreadPoolExecutor | None = None
+        self._notify_fd: int | None = None
+        self._poll_notes = False
+        self.data = DataPlane(backend, self.event, self.where)
+        self._thread: threading.Thread | None = None
+        self.stopped = threading.Event()
+
+    # -- from any thread -------------------------------------------------------------
+
+    def start(self, protocol: Protocol, notifying: bool) -> None:
+        self.protocol = protocol
+        if notifying:
+            fd = self.backend.notification_fd()
+            if fd is not None:
+                self._notify_fd = fd
+                self._poller.register(fd, zmq.POLLIN)
+            self._poll_notes = fd is None
+        self._apply(protocol.start())
+        self._thread = threading.Thread(target=self._run, name=f"xferkit-session-{self.where}")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def submit(self, command: tuple[Any, ...]) -> None:
+        """Queue a command for the control thread and wake it (once per batch)."""
+        with self.lock:
+            self.commands.append(command)
+            if self._woken:
+                return
+            self._woken = True
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closing
+            self._wake_w.send(b"\0")
+
+    event = submit  # the data plane's and the pack worker's results travel the same way
+
+    def runner(self, rid: str, descs: Descriptors) -> Future[None]:
+        """Start a pack copy on the pack worker; its end pumps ``rid``."""
+        if self._packer is None:
+            self._packer = ThreadPoolExecutor(1, thread_name_prefix="xferkit-pack")
+        copier = self._copier
+        future = self._packer.submit(copier.copy, descs.src, descs.dst, descs.nbytes)
+        future.add_done_callback(lambda _: self.submit(("pump", rid)))
+        return future
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the control thread to end; False if it has not."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def teardown(self) -> None:
+        """Release every socket and the context (the control thread has ended)."""
+        for sock in list(self._socks.values()) + list(self._monitors):
+            with contextlib.suppress(Exception):
+                sock.close(linger=0)
+        self._socks.clear()
+        self._monitors.clear()
+        if self._auth is not None:
+            with contextlib.suppress(Exception):
+                self._auth.stop()
+            self._auth = None
+        with contextlib.suppress(Exception):
+            self.router.close(linger=0)
+        with contextlib.suppress(Exception):
+            self.ctx.term()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        if self._packer is not None:
+            self._packer.shutdown(wait=True)
+
+    # -- the control thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        p = self.protocol
+        assert p is not None
+        wake = self._wake_r.fileno()
+        try:
+            while True:
+                now = time.monotonic()
+                wait = max(p.next_deadline() - now, 0.0)
+                if self._poll_notes and p.incoming.recvs:
+                    wait = min(wait, POLL_S)
+                events = dict(self._poller.poll(math.ceil(min(wait, 0.05) * 1000)))
+                if events.pop(wake, None) is not None:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                self._drain_router(events)
+                self._drain_dealers(events)
+                if (
+                    self._notify_fd is not None and events.pop(self._notify_fd, None) is not None
+                ) or (self._poll_notes and p.incoming.recvs):
+                    self._drain_notifications()
+                if self.commands and self._run_commands():
+                    return
+                now = time.monotonic()
+                if now >= p.next_deadline():
+                    self._apply(p.timer(now))
+        except Exception:  # a bug: fail everything loudly rather than hang the engine
+            log.exception("%s: the session's control thread crashed", self.where)
+            self._close("the session's control thread crashed (see the log)")
+        finally:
+            self.stopped.set()
+
+    def _run_commands(self) -> bool:
+        """Run the queued commands; True when one was ``close``."""
+        p = self.protocol
+        assert p is not None
+        while True:
+            with self.lock:
+                if not self.commands:
+                    self._woken = False
+                    return False
+                cmd = self.commands.popleft()
+            kind, args = cmd[0], cmd[1:]
+            now = time.monotonic()
+            if kind == "close":
+                self._close(args[0])
+                return True
+            try:
+                self._apply(getattr(p, kind)(*args, now))
+            except Exception:
+                log.exception("%s: command %s failed", self.where, kind)
+
+    def _close(self, why: str) -> None:
+        p = self.protocol
+        assert p is not None
+        self._apply(p.close(why, time.monotonic()))
+        limit = time.monotonic() + DRAIN_S
+        while (self.data.busy or self.commands) and time.monotonic() < limit:
+            self._run_commands()
+            time.sleep(0.002)
+        self._run_commands()
+        self._apply(p.goodbye(why))
+        self.data.stop(1.0)
+        time.sleep(0.05)  # let the byes leave before the sockets close
+
+    def _drain_router(self, events: dict[Any, int]) -> bool:
+        if events.pop(self.router, None) is None:
+            return False
+        p = self.protocol
+        assert p is not None
+        router = self.router
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            except zmq.ZMQError as exc:
+                log.warning("%s: receiving: %s", self.where, exc)
+                return True
+            if len(frames) != 2:
+                log.warning("%s: dropped a message of %d frames", self.where, len(frames))
+                continue
+            ident, data = frames
+            msg = self._decode(data, "a decode rank or group member")
+            if msg is not None:
+                self._apply(p.receive(("down", ident), msg, time.monotonic()))
+
+    def _drain_dealers(self, events: dict[Any, int]) -> bool:
+        p = self.protocol
+        assert p is not None
+        for sock in list(events):
+            conn = self._dealers.get(sock)
+            if conn is not None:
+                while self._socks.get(conn) is sock is not None:
+                    try:
+                        data = sock.recv(zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        break
+                    msg = self._decode(data, str(conn[1]))
+                    if msg is not None:
+                        self._apply(p.receive(conn, msg, time.monotonic()))
+                continue
+            conn = self._monitors.get(sock)
+            if conn is not None:
+                self._on_monitor(sock, conn)
+        return True
+
+    def _on_monitor(self, mon: zmq.Socket[Any], conn: act.Conn) -> None:
+        p = self.protocol
+        assert p is not None
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            if self._socks.get(conn) is None:
+                return
+            now = time.monotonic()
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = (
+                    f"{conn[1]} refused this session's Curve key (it is not among its trusted keys)"
+                )
+                self._apply(p.refused(conn, why, now))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._apply(p.disconnected(conn, now))
+
+    def _decode(self, data: bytes, who: str) -> wire.Message | None:
+        try:
+            return wire.decode(data)
+        except ProtocolError as exc:
+            log.warning("%s: dropped a message from %s: %s", self.where, who, exc)
+            return None
+
+    def _drain_notifications(self) -> None:
+        p = self.protocol
+        assert p is not None
+        try:
+            notes = self.backend.notifications()
+        except XferError as exc:
+            log.warning("%s: draining notifications: %s", self.where, exc)
+            return
+        for note in notes:
+            self._apply(p.notification(note.peer, note.message, time.monotonic()))
+
+    # -- carrying out actions -------------------------------------------------------------
+
+    def _apply(self, actions: list[act.Action]) -> None:
+        driver: list[act.Action] = []
+        for a in actions:
+            if isinstance(a, act.Send):
+                self._send(a.conn, a.msg)
+            elif isinstance(a, act.Move):
+                a.handle._move(a.state)
+            elif isinstance(a, act.Post | act.Cancel | act.Connect | act.Disconnect):
+                driver.append(a)
+            elif isinstance(a, act.Done):
+                a.handle._done()
+            elif isinstance(a, act.Failed):
+                a.handle._fail(a.error)
+            elif isinstance(a, act.Failing):
+                a.handle._failing_now(a.error)
+            elif isinstance(a, act.Finished):
+                with self.lock:
+                    self.progress.append(a.rid)
+            elif isinstance(a, act.Open):
+                self._open(a.conn)
+            elif isinstance(a, act.Close):
+                self._close_conn(a.conn, a.linger_ms)
+        if driver:
+            self.data.submit(driver)
+
+    def _send(self, conn: act.Conn, msg: wire.Message) -> None:
+        try:
+            if conn[0] == "down":
+                self.router.send_multipart([conn[1], wire.encode(msg)], zmq.NOBLOCK)
+            elif (sock := self._socks.get(conn)) is not None:
+                sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning(
+                "%s: cannot send %s to %s: %s", self.where, type(msg).__name__, conn[1], exc
+            )
+
+    def _open(self, conn: act.Conn) -> None:
+        sock = self._dealer(conn[1])
+        if isinstance(sock, str):
+            p = self.protocol
+            assert p is not None
+            self._apply(p.refused(conn, sock, time.monotonic()))
+            return
+        self._socks[conn] = sock
+        self._dealers[sock] = conn
+        self._poller.register(sock, zmq.POLLIN)
+        mon = sock.get_monitor_socket(_MONITORED)
+        self._monitors[mon] = conn
+        self._poller.register(mon, zmq.POLLIN)
+
+    def _close_conn(self, conn: act.Conn, linger_ms: int) -> None:
+        sock = self._socks.pop(conn, None)
+        if sock is None:
+            return
+        self._dealers.pop(sock, None)
+        for mon, c in list(self._monitors.items()):
+            if c == conn:
+                del self._monitors[mon]
+                with contextlib.suppress(KeyError, zmq.ZMQError):
+                    self._poller.unregister(mon)
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+                mon.close(linger=0)
+        with contextlib.suppress(KeyError, zmq.ZMQError):
+            self._poller.unregister(sock)
+        sock.close(linger=linger_ms)
+
+    def check(self, address: str) -> str | None:
+        """Why this session cannot talk to ``address`` (keys on one side only, an untrusted
+        key), or None."""
+        _, _, key = address.partition("|")
+        if self.keys is None and key:
+            return (
+                f"{address} carries a Curve key, but this session has no keys: pass "
+                "keys=SessionKeys(...) to talk to it"
+            )
+        if self.keys is not None and not key:
+            return (
+                f"{address} carries no Curve key, but this session has keys: both sides need them"
+            )
+        if self.keys is not None and (len(key) != KEY_LEN or key.encode() not in self.keys.trusted):
+            return f"{address}: its Curve key is not among the trusted keys"
+        return None
+
+    def _dealer(self, address: str) -> zmq.Socket[Any] | str:
+        """A DEALER connected to a session address (Curve client with keys), or why not."""
+        endpoint, _, key = address.partition("|")
+        if (problem := self.check(address)) is not None:
+            return problem
+        sock = self.ctx.socket(zmq.DEALER)
+        _limits(sock)
+        low, high = self.reconnect
+        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(low * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(high * 1000)))
+        if self.keys is not None:
+            sock.curve_secretkey = self.keys.secret
+            sock.curve_publickey = self.keys.public
+            sock.curve_serverkey = key.encode()
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            return f"cannot connect to {address}: {exc}"
+        return sock
