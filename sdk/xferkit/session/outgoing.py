@@ -14,8 +14,6 @@ its ``Fail`` / ``AbortAck`` sent, once every write reported its end.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 from ..descriptors import Descriptors
@@ -23,9 +21,6 @@ from ..errors import PlanError, ProtocolError
 from . import actions as act
 from . import wire
 from .core import (
-    MAX_EARLY,
-    MAX_UNOFFERED,
-    MAX_UNOFFERED_SLOTS,
     Out,
     Settings,
     log,
@@ -34,10 +29,8 @@ from .core import (
 )
 from .handles import RequestError, State
 from .pairs import Down
-from .sends import Dst, SendRec, unpack_slots
+from .sends import Dst, Ledger, SendRec, unpack_slots
 from .staged import Stager
-
-_NONE = np.zeros(0, dtype=np.int64)
 
 
 class Outgoing:
@@ -49,10 +42,7 @@ class Outgoing:
         self.failing: dict[str, SendRec] = {}  # failed, writes still ending
         self.writes: dict[int, tuple[SendRec, Dst]] = {}
         self._wid = 0
-        self.finished: OrderedDict[str, None] = OrderedDict()
-        self.early: OrderedDict[str, RequestError] = OrderedDict()  # failed before offer()
-        self.failed: OrderedDict[str, RequestError] = OrderedDict()
-        self.held = 0  # slot indices held by requests not offered yet
+        self.ledger = Ledger()
         self.stager = Stager(s, self._post, self.fail)
 
     def _rec(self, rid: str, now: float) -> SendRec:
@@ -70,11 +60,11 @@ class Outgoing:
         rid, where = msg.rid, self.s.where("prefill")
         if down.error is not None:  # the handshake failed: both sides report its text
             stage, text = down.error
-            if rid not in self.failed and rid not in self.finished:
-                self._early_failure(rid, RequestError(text, stage=stage, request_id=rid), now)
+            if self.ledger.root_cause(rid) is None and rid not in self.ledger.finished:
+                self._early_failure(rid, RequestError(text, stage=stage, request_id=rid))
             self._reply(down, rid, msg.gen, stage, text)
             return
-        failed = self.failed.get(rid) or self.early.get(rid)
+        failed = self.ledger.root_cause(rid)
         if failed is not None:  # it failed here before this rank asked: the root cause
             self._reply(down, rid, msg.gen, failed.stage, failed.args[0])
             return
@@ -84,7 +74,7 @@ class Outgoing:
         )
         rec = self.sends.get(rid)
         problem = ""
-        if rid in self.finished:
+        if rid in self.ledger.finished:
             problem = f"request id {rid!r} was already used with this prefill rank"
         elif rec is not None and place in rec.dsts:
             problem = f"request id {rid!r} was already used by {down.where()} (a second Request)"
@@ -99,7 +89,7 @@ class Outgoing:
         if msg.failed:  # the decode rank failed it before it could ask: its text, its place
             error = RequestError(msg.failed, stage=msg.stage or "request", request_id=rid)
             if rec is None:
-                self._early_failure(rid, error, now)
+                self._early_failure(rid, error)
             else:
                 self.fail(rec, error.stage, msg.failed, formatted=True, gone=down)
             return
@@ -115,7 +105,7 @@ class Outgoing:
             if rec is not None:
                 self.fail(rec, "handshake", text, formatted=True)
             else:
-                self._early_failure(rid, RequestError(text, stage="handshake", request_id=rid), now)
+                self._early_failure(rid, RequestError(text, stage="handshake", request_id=rid))
             self._reply(down, rid, msg.gen, "handshake", text)
             return
         assert down.plan is not None
@@ -132,21 +122,12 @@ class Outgoing:
             self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, str(exc)))
             return
         count = sum(s.size for s in slots.values())
-        if rec is None or rec.handle is None:
-            busy = len(self.sends) - len([r for r in self.sends.values() if r.handle is not None])
-            if (rec is None and busy >= MAX_UNOFFERED) or self.held + count > MAX_UNOFFERED_SLOTS:
-                detail = (
-                    f"{busy} requests with {self.held} slots wait for offer() here "
-                    f"(MAX_UNOFFERED={MAX_UNOFFERED}, MAX_UNOFFERED_SLOTS={MAX_UNOFFERED_SLOTS})"
-                )
-                self._reply(
-                    down, rid, msg.gen, "request", stage_text(rid, "request", where, detail)
-                )
-                return
+        if (rec is None or rec.handle is None) and (busy := self.ledger.hold(rec, count)):
+            self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, busy))
+            return
         rec = self._rec(rid, now)
         if rec.handle is None:
-            rec.held += count
-            self.held += count
+            self.ledger.keep(rec, count)
         if rec.lease_until is not None:  # claimed: the request's own deadline runs again
             rec.lease_until = None
             rec.deadline = now + self.s.request_timeout_s
@@ -157,16 +138,12 @@ class Outgoing:
                 self._write_chunk(rec, dst, chunk, last, now)
         self._check(rec)
 
-    def _early_failure(self, rid: str, error: RequestError, now: float) -> None:
+    def _early_failure(self, rid: str, error: RequestError) -> None:
         rec = self.sends.get(rid)
         if rec is not None:  # held, not offered
             self.fail(rec, error.stage, error.args[0], formatted=True)
         else:
-            remember(self.early, rid, error, MAX_EARLY)
-
-    def _unhold(self, rec: SendRec) -> None:
-        self.held -= rec.held
-        rec.held = 0
+            self.ledger.failed_early(rid, error)
 
     def remote_fail(self, down: Down, msg: wire.Abort | wire.Fail) -> None:
         """An Abort or Fail, applied only to the place its connection claimed."""
@@ -206,10 +183,10 @@ class Outgoing:
     # -- the engine's side ---------------------------------------------------------------
 
     def offer(self, handle: object, rid: str, now: float) -> None:
-        early = self.early.pop(rid, None)
+        early = self.ledger.early.pop(rid, None)
         if early is not None:  # decode ranks asking after this get the same root cause
-            remember(self.failed, rid, early)
-        if early is not None or rid in self.finished:
+            remember(self.ledger.failed, rid, early)
+        if early is not None or rid in self.ledger.finished:
             error = early or RequestError(
                 f"request {rid!r} already finished here", stage="request", request_id=rid
             )
@@ -217,7 +194,7 @@ class Outgoing:
             return
         rec = self._rec(rid, now)
         rec.handle = handle
-        self._unhold(rec)
+        self.ledger.unhold(rec)
         rec.deadline = now + self.s.request_timeout_s
         if rec.dsts:
             self.out.move(handle, State.WAITING)
@@ -247,47 +224,13 @@ class Outgoing:
     def _write_chunk(
         self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool, now: float
     ) -> None:
-        request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        spans: dict[str, tuple[int, int, int]] = {}
         plan = dst.down.plan
         assert plan is not None
-        for pool, src in slots.items():
-            have = dst.slots.get(pool, _NONE)
-            at = dst.cursor.get(pool, 0)
-            pages = plan.pages(pool)
-            if pages is None:  # no region of it here (another pipeline stage's): none of ours
-                continue
-            count, problem = _dst_count(src.size, pages, last)
-            room = have.size - at
-            if not problem and count > room:
-                problem = f"{dst.down.where()} has {room} destination slots left"
-                if count - room < pages[0]:
-                    count, problem = room, ""  # the last source slot's pages nobody asked for
-            if problem:
-                self.fail(
-                    rec, "plan", f"a chunk names {src.size} slots of pool {pool!r}: {problem}"
-                )
-                return
-            request[pool] = (src, have[at : at + count])
-            spans[pool] = (at, count, src.size)
-            dst.cursor[pool] = at + count
-        if last:
-            # Pools no region of this pair holds (another pipeline stage's) are not ours to fill.
-            short = [
-                p
-                for p, s in dst.slots.items()
-                if dst.cursor[p] != s.size and plan.pages(p) is not None
-            ]
-            if short:
-                p = short[0]
-                self.fail(
-                    rec,
-                    "plan",
-                    f"the last chunk leaves {dst.slots[p].size - dst.cursor[p]} "
-                    f"destination slots of pool {p!r} of {dst.down.where()} unwritten",
-                )
-                return
-            dst.last = True
+        mapped = dst.take(slots, last, plan.pages)
+        if isinstance(mapped, str):
+            self.fail(rec, "plan", mapped)
+            return
+        request, spans = mapped
         if not dst.needed:
             return
         staged = self.stager.chunk(rec, dst, request, spans)
@@ -374,7 +317,7 @@ class Outgoing:
                 return
         self.stager.release(rec)
         del self.sends[rec.rid]
-        remember(self.finished, rec.rid, None)
+        remember(self.ledger.finished, rec.rid, None)
         self.out.done(rec.handle, rec.rid)
 
     # -- failing -------------------------------------------------------------------------
@@ -392,8 +335,8 @@ class Outgoing:
         rec.error = RequestError(text, stage=stage, request_id=rec.rid)
         rec.ack, rec.gone = ack, gone
         del self.sends[rec.rid]
-        self._unhold(rec)
-        remember(self.failed, rec.rid, rec.error)
+        self.ledger.unhold(rec)
+        remember(self.ledger.failed, rec.rid, rec.error)
         if rec.handle is not None:
             self.out.failing(rec.handle, rec.error)
         for dst in rec.dsts.values():
@@ -411,7 +354,7 @@ class Outgoing:
         if rec.handle is not None:  # the engine learns first: a peer's answer may be read at once
             self.out.failed(rec.handle, rec.error)
         else:  # not offered yet: offer() will report it
-            remember(self.early, rec.rid, rec.error, MAX_EARLY)
+            self.ledger.failed_early(rec.rid, rec.error)
         ack, gone = rec.ack, rec.gone
         for dst in rec.dsts.values():
             if dst.down is gone or dst.down.lost:
@@ -460,16 +403,3 @@ class Outgoing:
 
 def _rid(handle: object) -> str:
     return handle.request_id  # type: ignore[attr-defined, no-any-return]
-
-
-def _dst_count(n: int, pages: tuple[int, int], last: bool) -> tuple[int, str]:
-    """Destination slots ``n`` source slots fill, or why a chunk cannot end there: a
-    destination slot holding several source pages is written by one chunk, unless it is last."""
-    ks, kd = pages
-    count = -(-n * ks // kd)
-    if n * ks % kd and not last:
-        return count, (
-            f"a destination slot holds {kd} source slots, so every chunk but the last names a "
-            f"multiple of {kd}"
-        )
-    return count, ""

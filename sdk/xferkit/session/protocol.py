@@ -367,11 +367,11 @@ class Protocol:
         """A prefill rank is gone (dead, restarted, closed, unreachable, silent): tell it (it may
         only be paused: it must then write nothing more to us), fail what needs it."""
         log.warning("%s: %s", self.s.address, why)
+        self.incoming.pair_lost(up, why, stage, gone, now)  # its Aborts leave before the Bye
         if up.ready and not gone:
             self.out.send(up.conn, wire.Bye(incarnation=self.s.incarnation, reason=why))
         self.pairs.drop_up(up, now, linger_ms=0 if gone else LINGER_MS)
-        self.roster.forget(up.address)
-        self.incoming.pair_lost(up, why, stage, gone, now)
+        self.roster.forget(up.address, now)
 
     def _lose_down(self, down: Down, why: str) -> None:
         """A decode rank is gone: fail its requests; disconnect once our writes to it ended."""

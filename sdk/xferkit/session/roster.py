@@ -43,6 +43,7 @@ class Roster:
         self.members: dict[tuple[int, int], tuple[wire.Join, bytes, float]] = {}
         self.groups: dict[str, Group] = {}
         self.member: act.Conn | None = None
+        self.lost: dict[str, float] = {}  # ranks this session lost lately -> when
         self.joined_at = float("-inf")
         self.refused = ""
         if group is not None:
@@ -130,11 +131,17 @@ class Roster:
         if group is None or not isinstance(msg, wire.Roster) or group.roster is not None:
             return None
         need = msg.tp_size * msg.pp_size
+        self.lost = {a: t for a, t in self.lost.items() if now - t <= self.s.dead_after_s}
+        gone = [m.address for m in msg.ranks if m.address in self.lost]
         if msg.error:
             group.last = msg.error
         elif len(msg.ranks) < need or len({(m.tp_rank, m.pp_rank) for m in msg.ranks}) < need:
             have = [(m.tp_rank, m.pp_rank) for m in msg.ranks]
             group.last = f"{len(msg.ranks)} of {need} ranks joined (TP, PP): {have}"
+            group.retry_at = now + min(0.05, self.s.heartbeat_s / 4)
+            return None
+        elif gone:  # the server has not noticed yet: ask again until it has
+            group.last = f"it still lists {gone}, which this rank lost"
             group.retry_at = now + min(0.05, self.s.heartbeat_s / 4)
             return None
         else:
@@ -145,8 +152,11 @@ class Roster:
         log.info("%s: group %s is %s", self.s.address, group.address, list(group.roster))
         return group
 
-    def forget(self, address: str) -> None:
-        """A rank was lost: rosters naming it are asked again by the next request."""
+    def forget(self, address: str, now: float) -> None:
+        """A rank was lost: rosters naming it are asked again by the next request (and an
+        answer still naming it, again)."""
+        if len(self.lost) < 4096:
+            self.lost[address] = now
         for group in list(self.groups.values()):
             if group.roster is not None and address in group.roster:
                 self.drop(group)

@@ -3,13 +3,19 @@ the staged ``Chunk``s of each."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 import numpy as np
 
 from ..errors import ProtocolError
 from . import wire
+from .core import MAX_EARLY, MAX_UNOFFERED, MAX_UNOFFERED_SLOTS, remember
 from .handles import RequestError
 from .pairs import Down
 from .rounds import Halves, Outbound
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class Chunk:
@@ -49,6 +55,63 @@ class Dst:
         self.staged: dict[int, Chunk] = {}
         self.halves = Halves()  # of its slice, shared by the staged chunks
 
+    def take(
+        self,
+        slots: dict[str, np.ndarray],
+        last: bool,
+        pages: Callable[[str], tuple[int, int] | None],
+    ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, tuple[int, int, int]]] | str:
+        """Map a chunk's source slots onto this place's next unfilled slots (``pages(pool)``:
+        source and destination pages per slot, None for a pool no region of the pair holds):
+        the request and each pool's (first, count, sources) span, or why the chunk cannot."""
+        request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        spans: dict[str, tuple[int, int, int]] = {}
+        for pool, src in slots.items():
+            have = self.slots.get(pool, _NONE)
+            at = self.cursor.get(pool, 0)
+            ratio = pages(pool)
+            if ratio is None:  # no region of it here (another pipeline stage's): none of ours
+                continue
+            count, problem = _dst_count(src.size, ratio, last)
+            room = have.size - at
+            if not problem and count > room:
+                problem = f"{self.down.where()} has {room} destination slots left"
+                if count - room < ratio[0]:
+                    count, problem = room, ""  # the last source slot's pages nobody asked for
+            if problem:
+                return f"a chunk names {src.size} slots of pool {pool!r}: {problem}"
+            request[pool] = (src, have[at : at + count])
+            spans[pool] = (at, count, src.size)
+            self.cursor[pool] = at + count
+        if last:
+            # Pools no region of this pair holds (another pipeline stage's) are not ours to fill.
+            short = [
+                p
+                for p, s in self.slots.items()
+                if self.cursor[p] != s.size and pages(p) is not None
+            ]
+            if short:
+                p = short[0]
+                return (
+                    f"the last chunk leaves {self.slots[p].size - self.cursor[p]} "
+                    f"destination slots of pool {p!r} of {self.down.where()} unwritten"
+                )
+            self.last = True
+        return request, spans
+
+
+def _dst_count(n: int, pages: tuple[int, int], last: bool) -> tuple[int, str]:
+    """Destination slots ``n`` source slots fill, or why a chunk cannot end there: a
+    destination slot holding several source pages is written by one chunk, unless it is last."""
+    ks, kd = pages
+    count = -(-n * ks // kd)
+    if n * ks % kd and not last:
+        return count, (
+            f"a destination slot holds {kd} source slots, so every chunk but the last names a "
+            f"multiple of {kd}"
+        )
+    return count, ""
+
 
 class SendRec:
     """A prefill request as the core tracks it."""
@@ -64,6 +127,7 @@ class SendRec:
         self.lease_until: float | None = None  # set while written, held and unclaimed
         self.error: RequestError | None = None
         self.held = 0  # slot indices held while not offered (bounded, all requests together)
+        self.waiting = False  # counted among the requests not offered yet
         self.ack: Down | None = None  # once failing: the decode rank answered with AbortAck
         self.gone: Down | None = None  # once failing: the decode rank told nothing
 
@@ -74,3 +138,48 @@ class SendRec:
     def dst_of(self, down: Down) -> Dst | None:
         """``down``'s part (a request has one per decode place)."""
         return next((d for d in self.dsts.values() if d.down is down), None)
+
+
+class Ledger:
+    """What a prefill rank remembers beyond a request's life: the ids finished here, the root
+    causes of failures (before and after ``offer``), and the slots held for requests decode
+    ranks asked for before the engine offered them (bounded: a peer cannot grow them)."""
+
+    def __init__(self) -> None:
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.early: OrderedDict[str, RequestError] = OrderedDict()  # failed before offer()
+        self.failed: OrderedDict[str, RequestError] = OrderedDict()
+        self.held = 0  # slot indices held by requests not offered yet
+        self.waiting = 0  # requests not offered yet
+
+    def root_cause(self, rid: str) -> RequestError | None:
+        return self.failed.get(rid) or self.early.get(rid)
+
+    def failed_early(self, rid: str, error: RequestError) -> None:
+        remember(self.early, rid, error, MAX_EARLY)
+
+    def hold(self, rec: SendRec | None, count: int) -> str:
+        """Hold ``count`` more slots for a request not offered yet (``rec`` None: a new one);
+        why not, when that would pass a bound."""
+        if (
+            rec is None and self.waiting >= MAX_UNOFFERED
+        ) or self.held + count > MAX_UNOFFERED_SLOTS:
+            return (
+                f"{self.waiting} requests with {self.held} slots wait for offer() here "
+                f"(MAX_UNOFFERED={MAX_UNOFFERED}, MAX_UNOFFERED_SLOTS={MAX_UNOFFERED_SLOTS})"
+            )
+        return ""
+
+    def keep(self, rec: SendRec, count: int) -> None:
+        """``rec`` (not offered yet) holds ``count`` more slots."""
+        rec.held += count
+        self.held += count
+        if not rec.waiting:
+            rec.waiting = True
+            self.waiting += 1
+
+    def unhold(self, rec: SendRec) -> None:
+        if rec.waiting:
+            self.held -= rec.held
+            self.waiting -= 1
+            rec.held, rec.waiting = 0, False

@@ -33,6 +33,7 @@ from .protocol import Protocol
 from .roster import GROUP
 from .rounds import Staging, copier_of
 from .shell import Shell
+from .sockets import check
 
 __all__ = ["GROUP", "Session", "fingerprint"]
 
@@ -161,7 +162,7 @@ class Session(Closing):
         reconnect = (self.reconnect_min_s, self.reconnect_max_s)
         shell = self._shell = Shell(backend, bind, keys, reconnect, self._copier)
         where = shell.where
-        if group is not None and (problem := shell.check(group.removeprefix(GROUP))) is not None:
+        if group is not None and (problem := check(group.removeprefix(GROUP), keys)) is not None:
             shell.teardown()
             raise XferError(f"Session cannot join group {group!r}: {problem}")
         self.address: str = where if keys is None else f"{where}|{keys.public.decode()}"

@@ -31,37 +31,15 @@ from ..copier import Copier
 from ..descriptors import Descriptors
 from ..errors import ProtocolError, XferError
 from . import actions as act
-from . import wire
+from . import sockets, wire
 from .core import DRAIN_S, log
 from .dataplane import DataPlane
-from .keys import KEY_LEN, SessionKeys
+from .keys import SessionKeys
 from .protocol import Protocol
 
-HWM = 100_000
-"""ZMQ high-water mark of every socket: messages queued before a send would block."""
 POLL_S = 0.001
 """How often notifications are polled for a driver without a descriptor to sleep on."""
 _MONITORED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
-
-
-class Trust:
-    """The ZAP callback: a client key is accepted only if trusted; refusals are logged."""
-
-    def __init__(self, trusted: frozenset[bytes], name: str) -> None:
-        self.trusted, self.name = trusted, name
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.trusted:
-            return True
-        log.warning("%s: refused a peer presenting untrusted Curve key %s", self.name, key.decode())
-        return False
-
-
-def _limits(sock: zmq.Socket[Any]) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
 
 
 class Shell:
@@ -77,27 +55,11 @@ class Shell:
     ) -> None:
         self.backend, self.keys, self.reconnect = backend, keys, reconnect
         self.ctx = zmq.Context()
-        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
-        self.router = self.ctx.socket(zmq.ROUTER)
-        _limits(self.router)
-        if keys is not None:
-            self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback("*", Trust(keys.trusted, bind))
-            self.router.curve_secretkey = keys.secret
-            self.router.curve_publickey = keys.public
-            self.router.curve_server = True
-        else:
-            log.warning(
-                "xferkit Session at %s runs without CurveZMQ keys: anyone who can reach it can "
-                "name slots and trigger writes into this rank's memory (pass keys=SessionKeys)",
-                bind,
-            )
         try:
-            self.router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
-        except zmq.ZMQError as exc:
-            self.teardown()
-            raise XferError(f"Session cannot bind {bind!r}: {exc}") from None
+            self.router, self._auth = sockets.router(self.ctx, bind, keys)
+        except XferError:
+            self.ctx.term()
+            raise
         self.where = str(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
         self.protocol: Protocol | None = None
         self.lock = threading.Lock()
@@ -368,7 +330,7 @@ class Shell:
             )
 
     def _open(self, conn: act.Conn) -> None:
-        sock = self._dealer(conn[1])
+        sock = sockets.dealer(self.ctx, conn[1], self.keys, self.reconnect)
         if isinstance(sock, str):
             p = self.protocol
             assert p is not None
@@ -397,41 +359,3 @@ class Shell:
         with contextlib.suppress(KeyError, zmq.ZMQError):
             self._poller.unregister(sock)
         sock.close(linger=linger_ms)
-
-    def check(self, address: str) -> str | None:
-        """Why this session cannot talk to ``address`` (keys on one side only, an untrusted
-        key), or None."""
-        _, _, key = address.partition("|")
-        if self.keys is None and key:
-            return (
-                f"{address} carries a Curve key, but this session has no keys: pass "
-                "keys=SessionKeys(...) to talk to it"
-            )
-        if self.keys is not None and not key:
-            return (
-                f"{address} carries no Curve key, but this session has keys: both sides need them"
-            )
-        if self.keys is not None and (len(key) != KEY_LEN or key.encode() not in self.keys.trusted):
-            return f"{address}: its Curve key is not among the trusted keys"
-        return None
-
-    def _dealer(self, address: str) -> zmq.Socket[Any] | str:
-        """A DEALER connected to a session address (Curve client with keys), or why not."""
-        endpoint, _, key = address.partition("|")
-        if (problem := self.check(address)) is not None:
-            return problem
-        sock = self.ctx.socket(zmq.DEALER)
-        _limits(sock)
-        low, high = self.reconnect
-        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(low * 1000)))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(high * 1000)))
-        if self.keys is not None:
-            sock.curve_secretkey = self.keys.secret
-            sock.curve_publickey = self.keys.public
-            sock.curve_serverkey = key.encode()
-        try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            return f"cannot connect to {address}: {exc}"
-        return sock

@@ -1,0 +1,349 @@
+"""The protocol core driven by hand: two cores, no sockets, no threads, no clock.
+
+Each test is one of the Session's invariants (docs/protocol.md, who may send
+what): what a message may act on, what an endpoint may name, when FAILED is
+said, what a peer can make the core hold. The property test at the end lets
+hypothesis interleave engine commands, deliveries, driver completions, time and
+a third identity's forged messages, and checks the invariants after every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from core_harness import SLOTS, Net, endpoint
+from core_harness import settings as core_settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xferkit.session import wire
+from xferkit.session.actions import Send
+from xferkit.session.core import MAX_PAIRS, MAX_UNOFFERED_SLOTS
+from xferkit.session.handles import State
+from xferkit.session.protocol import Protocol
+from xferkit.testing import Reference, gdn_hybrid
+
+
+def _hello(net: Net, address: str, driver: str, **over: object) -> wire.Hello:
+    fields = {**net.dec.s.hello(), "address": address, "endpoint": endpoint(driver), **over}
+    return wire.Hello(**fields)  # type: ignore[arg-type]
+
+
+def _welcomes(net: Net, ident: bytes) -> list[wire.Welcome]:
+    return [m for i, m in net.to_others if i == ident and isinstance(m, wire.Welcome)]
+
+
+def test_a_request_goes_to_done_on_both_sides() -> None:
+    net = Net()
+    net.handshake()
+    assert net.finished == {"pre": ["warm"], "dec": ["warm"]}
+    assert [c.key for c in net.connects] == [b"D"]  # connected once the Hello was accepted
+
+
+def test_a_third_identitys_abort_and_fail_touch_nothing_it_did_not_claim() -> None:
+    """Before: any connection that said Hello could abort any request id, and a Fail for an
+    id not offered yet failed a later offer() with the forged text."""
+    net = Net()
+    net.handshake()
+    net.inject(b"X", _hello(net, "tcp://x", "x-drv"))
+    net.inject(b"X", wire.Fail(rid="early", gen=1, stage="abort", text="forged early"))
+    net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.inject(b"X", wire.Abort(rid="r", gen=1, stage="abort", text="forged"))
+    net.inject(b"X", wire.Fail(rid="r", gen=2, stage="abort", text="forged"))
+    assert (b"X", wire.AbortAck(rid="r", gen=1)) in net.to_others  # nothing of it goes to X
+    for rid in ("r", "early"):
+        net.offer(rid)
+    net.write("r", {"kv": [3, 4]}, last=True)
+    net.finish_all()
+    net.deliver()
+    assert net.handles["dec", "r"].state is State.DONE
+    assert net.handles["pre", "r"].state is State.DONE
+    assert net.handles["pre", "early"].error is None  # the forged early Fail was dropped
+
+
+def test_a_sources_fail_counts_only_for_requests_that_named_it() -> None:
+    """Before: an unrelated prefill rank's Fail, with a guessed generation, failed a decode
+    request it was no source of."""
+    net = Net()
+    net.handshake()
+    net.expect("r", {"kv": [1]})
+    net.deliver()
+    gen = net.dec.incoming.recvs["r"].gen
+    other = net.dec.pairs.open_up("Q", net.now)  # a second prefill rank the decode knows
+    assert other is not None
+    net.dec.out.take()
+    net.apply(
+        "dec",
+        net.dec.receive(
+            ("up", "Q"), wire.Fail(rid="r", gen=gen, stage="transfer", text="forged"), net.now
+        ),
+    )
+    assert net.handles["dec", "r"].failing is None
+    net.offer("r")
+    net.write("r", {"kv": [2]}, last=True)
+    net.finish_all()
+    net.deliver()
+    assert net.handles["dec", "r"].state is State.DONE
+
+
+def test_a_hello_naming_this_ranks_own_or_a_live_pairs_endpoint_is_refused() -> None:
+    """Before: a raw peer re-sent the prefill's own endpoint in a Hello and the prefill copied
+    its own pages over its own pages; a Hello with another decode rank's driver address and a
+    changed blob retired that rank's link."""
+    net = Net()
+    net.handshake()
+    net.inject(b"X", _hello(net, "tcp://x", "p-drv"))  # the prefill's own driver address
+    net.inject(b"Y", _hello(net, "tcp://y", "d-drv"))  # the honest decode rank's
+    for ident, who in ((b"X", "this rank's own memory"), (b"Y", "the memory of decode rank 0")):
+        (welcome,) = _welcomes(net, ident)
+        assert welcome.stage == "handshake" and who in welcome.error, welcome.error
+    assert [c.key for c in net.connects] == [b"D"]  # neither reached the backend
+    request = wire.Request(
+        rid="x", gen=1, needed=True, slots=wire.pack_slots({"kv": [10, 11]}), registration=1
+    )
+    net.inject(b"X", request)
+    net.offer("x")
+    net.write("x", {"kv": [0, 1]}, last=True)
+    assert not net.writes  # nothing is posted for the refused pair
+    net.expect("r", {"kv": [5]})  # and the honest pair still works
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [6]}, last=True)
+    net.finish_all()
+    net.deliver()
+    assert net.handles["dec", "r"].state is State.DONE
+
+
+def test_a_welcome_naming_a_driver_address_a_live_pair_holds_is_refused() -> None:
+    """Before: a fake prefill whose Welcome named an honest prefill's driver address stole its
+    completions."""
+    net = Net()
+    net.handshake()
+    up = net.dec.pairs.open_up("Q", net.now)
+    assert up is not None
+    net.dec.out.take()
+    fake = wire.Welcome(**{**net.pre.s.hello(), "address": "Q"})  # type: ignore[arg-type]
+    net.apply("dec", net.dec.receive(("up", "Q"), fake, net.now))
+    assert "Q" not in net.dec.pairs.ups and net.dec.pairs.by_driver["loopback:p-drv"].address == "P"
+
+
+def test_failed_is_said_only_once_the_source_confirmed_nothing_is_in_flight() -> None:
+    """Before: the decode rank stopped waiting for the AbortAck after dead_after_s and said
+    FAILED while the prefill was still draining; bytes landed after FAILED."""
+    net = Net()
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)
+    assert len(net.writes) == 1
+    net.abort("dec", "r")
+    net.deliver()
+    assert recv.failing is not None and recv.state is not State.FAILED
+    (write,) = net.writes.values()
+    assert write.cancelled
+    net.advance(net.dec.s.dead_after_s + 1)  # the prefill pongs: it is alive, still draining
+    net.deliver()
+    assert recv.state is not State.FAILED
+    net.finish(write.wid)
+    net.deliver()
+    assert recv.state is State.FAILED and recv.error is not None and recv.error.stage == "abort"
+    assert net.failed_with_writes == []
+    assert str(net.handles["pre", "r"].error) == str(recv.error)
+
+
+def test_a_silent_source_keeps_the_slots_out_of_reuse_until_its_drain_bound() -> None:
+    """A prefill rank that stops answering (paused, partitioned) may still write: the decode
+    request drains until the bound derived from the source's own deadlines."""
+    net = Net()
+    net.handshake()
+    recv = net.expect("r", {"kv": [1]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [2]}, last=True)
+    net.to_dec.clear()  # from here on the prefill is silent: nothing reaches the decode rank
+    s = net.dec.s
+    t = 0.0
+    while recv.failing is None and t < 3 * s.dead_after_s:
+        net.now += 0.05
+        t += 0.05
+        net.apply("dec", net.dec.timer(net.now))
+        net.to_pre.clear()
+    assert recv.failing is not None and recv.failing.stage == "peer lost"
+    lost_at = net.now
+    while recv.state is not State.FAILED and net.now < lost_at + 60:
+        net.now += 0.05
+        net.apply("dec", net.dec.timer(net.now))
+    assert net.now - lost_at >= s.drain_s  # not before the source's own drain bound
+
+
+def test_a_paused_prefill_writes_nothing_more_to_its_decode_ranks() -> None:
+    """Before: a prefill paused past dead_after_s was declared lost, and when it resumed it
+    wrote the engine's next chunk into slots the decode rank had reused, reporting DONE."""
+    net = Net()
+    net.handshake()
+    net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3]}, last=False)
+    net.finish_all()
+    net.deliver()
+    net.now += net.pre.s.dead_after_s + 1  # SIGSTOP ... SIGCONT
+    net.write("r", {"kv": [4]}, last=True)
+    assert not net.writes  # nothing posted after the pause
+    send = net.handles["pre", "r"]
+    assert send.state is State.FAILED and send.error is not None
+    assert "paused" in str(send.error)
+
+
+def test_requests_nobody_offered_are_held_within_their_bound() -> None:
+    """Before: Requests for ids nobody offered were kept whole as int64 arrays (1.6 GiB)."""
+    net = Net()
+    net.handshake()
+    big = wire.pack_slots({"kv": list(range(64)) * (MAX_UNOFFERED_SLOTS // 64 // 2)})
+    for i in itertools.count():
+        msg = wire.Request(rid=f"big{i}", gen=i + 10, needed=True, slots=big, registration=1)
+        net.to_dec.clear()
+        net.apply("pre", net.pre.receive(("down", b"D"), msg, net.now))
+        if any(isinstance(m, wire.Fail) for _, m in net.to_dec):
+            break
+        assert i < 4
+    assert net.pre.outgoing.ledger.held <= MAX_UNOFFERED_SLOTS
+    (fail,) = [m for _, m in net.to_dec if isinstance(m, wire.Fail)]
+    assert "MAX_UNOFFERED_SLOTS" in fail.text
+
+
+def test_hellos_beyond_the_pair_cap_are_refused_and_keep_nothing() -> None:
+    net = Net()
+    for i in range(MAX_PAIRS + 5):
+        net.inject(b"h%d" % i, _hello(net, f"tcp://h{i}", f"h{i}-drv"))
+    assert len(net.pre.pairs.downs) == MAX_PAIRS and len(net.connects) == MAX_PAIRS
+    (last,) = _welcomes(net, b"h%d" % (MAX_PAIRS + 4))
+    assert "MAX_PAIRS" in last.error
+
+
+def test_the_roster_admits_only_what_fits_the_group() -> None:
+    """Before: a Join with tp_rank >= tp_size completed a roster with a rank missing, and a
+    live member's place could be taken by another identity."""
+    ref = Reference(gdn_hybrid(), src_tp=2, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    core = Protocol(core_settings("P", ref.srcs[0].manifest, "p-drv"))
+    now = 0.0
+
+    def join(ident: bytes, tp_rank: int) -> str:
+        msg = wire.Join(
+            incarnation=7, address=f"tcp://{ident.decode()}", tp_rank=tp_rank, tp_size=2,
+            pp_rank=0, pp_size=1,
+        )  # fmt: skip
+        (reply,) = [a.msg for a in core.receive(("down", ident), msg, now) if isinstance(a, Send)]
+        assert isinstance(reply, wire.Joined)
+        return reply.error
+
+    assert "TP rank 2" in join(b"a", 2)  # outside the group
+    assert join(b"a", 1) == ""
+    assert "which tcp://a holds" in join(b"b", 1)  # a live member's place
+    assert join(b"a", 1) == ""  # the member itself, again
+    now += core.s.dead_after_s + 1
+    assert join(b"b", 1) == ""  # once the member is gone
+
+
+def _forward(states: list[State]) -> bool:
+    """States only move forward, and nothing follows a terminal one."""
+    ends = [i for i, s in enumerate(states) if s in (State.DONE, State.FAILED)]
+    live = states[: ends[0]] if ends else states
+    return (not ends or ends == [len(states) - 1]) and live == sorted(live)
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "expect",
+                "offer",
+                "write",
+                "last",
+                "abort_dec",
+                "abort_pre",
+                "deliver",
+                "finish",
+                "fail_write",
+                "time",
+                "forge",
+            ]
+        ),
+        st.integers(0, 2),  # request
+        st.integers(0, 5),  # forged message kind
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_interleavings_with_a_forger_keep_the_invariants(ops: list[tuple[str, int, int]]) -> None:
+    net = Net(request_timeout_s=5.0, lease_s=3.0, drain_s=2.0)
+    net.handshake()
+    net.inject(b"X", _hello(net, "tcp://x", "x-drv"))
+    rids = [f"r{k}" for k in range(3)]
+    claimed: set[str] = set()
+    for op, k, kind in ops:
+        rid = rids[k]
+        dec, pre = net.handles.get(("dec", rid)), net.handles.get(("pre", rid))
+        if op == "expect" and dec is None:
+            net.expect(rid, {"kv": [10 + 2 * k, 11 + 2 * k]})
+        elif op == "offer" and pre is None:
+            net.offer(rid)
+        elif op in ("write", "last") and pre is not None and rid not in net.pre.outgoing.failing:
+            rec = net.pre.outgoing.sends.get(rid)
+            if rec is not None and not rec.last:
+                net.write(
+                    rid, {"kv": [20 + k]} if op == "write" else {"kv": [30 + k]}, op == "last"
+                )
+        elif op == "abort_dec" and dec is not None:
+            net.abort("dec", rid)
+        elif op == "abort_pre" and pre is not None:
+            net.abort("pre", rid)
+        elif op == "deliver":
+            net.deliver()
+        elif op in ("finish", "fail_write") and net.writes:
+            net.finish(next(iter(net.writes)), "driver said no" if op == "fail_write" else "")
+        elif op == "time":
+            net.advance(0.5)
+        elif op == "forge":
+            gen = net.dec.incoming.recvs[rid].gen if rid in net.dec.incoming.recvs else 1
+            forged: list[wire.Message] = [
+                wire.Abort(rid=rid, gen=gen, stage="abort", text="forged"),
+                wire.Fail(rid=rid, gen=gen, stage="transfer", text="forged"),
+                wire.Unpacked(rid=rid, gen=gen, chunk=0, index=0),
+                wire.Renew(rids=[rid]),
+                wire.Request(
+                    rid=rid,
+                    gen=gen,
+                    needed=True,
+                    slots=wire.pack_slots({"kv": [0, 1]}),
+                    registration=1,
+                ),
+                wire.Ping(incarnation=5),
+            ]
+            net.inject(b"X", forged[kind])
+            rec = net.pre.outgoing.sends.get(rid) or net.pre.outgoing.failing.get(rid)
+            if rec is not None and any(d.down.ident == b"X" for d in rec.dsts.values()):
+                claimed.add(rid)  # first to ask: without keys, any peer may claim an id first
+        # Invariants after every step.
+        assert net.failed_with_writes == []  # FAILED only once nothing can land
+        for (side, r), h in net.handles.items():
+            if h.error is not None and r not in claimed:
+                assert "forged" not in str(h.error), (side, r, h.error)
+            assert _forward(h.states), (side, r, h.states)
+        for side in ("pre", "dec"):
+            assert len(net.finished[side]) == len(set(net.finished[side]))
+        for w in net.writes.values():  # the forger gets writes only of what it claimed
+            assert w.peer == ("peer", b"D") or w.rid in claimed, w
+    # Whatever happened, every request ends once time passes and messages flow.
+    for _ in range(25):
+        net.finish_all()
+        net.deliver()
+        net.advance(1.0)
+    for (side, r), h in net.handles.items():
+        if side == "dec" or net.handles.get(("dec", r)) is not None:
+            assert h.state in (State.DONE, State.FAILED), (side, r, h.states)
