@@ -69,7 +69,7 @@ def _settled_rss(pid: int, seconds: float = 0.3) -> int:
 
 REQUEST_GROWTH = 256 * MIB
 """The most a prefill rank's RSS may grow for two maximal Requests nobody offered."""
-HUGE = 2  # each takes ~2 s to decode here; two already exceed the bound fourfold
+HUGE = 2  # each takes 2-5 s to decode here (more under load); two exceed the bound fourfold
 
 
 @pytest.mark.xfail(strict=True, reason="issue 17: a Request for an id nobody offered holds GBs")
@@ -80,13 +80,10 @@ def test_maximal_requests_for_ids_nobody_offered_hold_bounded_memory() -> None:
     prefill rank's RSS grows by at most REQUEST_GROWTH (256 MiB) for two of them (HUGE: four
     would spend ~9 s decoding alone); an honest request still works after them."""
     pools = {f"pool{i:02d}": [0] * wire.MAX_SLOTS for i in range(15)}
-    with (
-        ranks(Setup("src", 0, 1, 1, session=FAST), Setup("dst", 0, 1, 1, session=FAST)) as (
-            pre,
-            dec,
-        ),
-        attacker() as a,
-    ):
+    # The prefill's dead_after_s is long: decoding one Request takes seconds, and the pair
+    # must stay live (as a pinging peer keeps it) for what it made the prefill hold to count.
+    patient = Setup("src", 0, 1, 1, session={**FAST, "dead_after_s": 60.0})
+    with ranks(patient, Setup("dst", 0, 1, 1, session=FAST)) as (pre, dec), attacker() as a:
         conn = a.connect(pre.address)
         welcome = conn.hello()
         assert welcome is not None and not welcome.error, welcome
@@ -115,7 +112,9 @@ def test_a_refused_hello_is_not_kept_while_its_peer_pings() -> None:
     so the prefill rank's RSS stays within HELLO_GROWTH (96 MiB) of its baseline while
     the peers keep pinging."""
     junk = b"\xa5" * (60 * MIB)
-    with ranks(Setup("src", 0, 1, 1, session=FAST)) as (pre,), attacker() as a:
+    # Its dead_after_s is long, so a slow machine cannot lose the pairs between two pings.
+    patient = Setup("src", 0, 1, 1, session={**FAST, "dead_after_s": 30.0})
+    with ranks(patient) as (pre,), attacker() as a:
         before = _settled_rss(pre.proc.pid, 0.1)
         conns = [a.connect(pre.address) for _ in range(8)]
         for i, conn in enumerate(conns):
@@ -123,8 +122,8 @@ def test_a_refused_hello_is_not_kept_while_its_peer_pings() -> None:
             assert reply is not None and reply.error, reply  # refused
             for earlier in conns[:i]:  # the pairs refused so far stay alive
                 earlier.ping()
-        limit = time.monotonic() + 3 * FAST["dead_after_s"]
-        while time.monotonic() < limit:  # keep the pairs alive past dead_after_s
+        limit = time.monotonic() + 1.0
+        while time.monotonic() < limit:  # the peers keep pinging
             for conn in conns:
                 conn.ping()
             time.sleep(FAST["heartbeat_s"])
