@@ -145,10 +145,8 @@ class Conn(_Socket):
         fields: dict[str, Any] = {
             "rid": rid,
             "gen": gen,
-            "dst_rank": 0,
-            "dst_size": 1,
             "needed": True,
-            "slots": {p: s if isinstance(s, list) else list(s) for p, s in slots.items()},
+            "slots": wire.pack_slots(slots),
             "registration": 0 if backend is None else backend.generation,
         }
         fields.update(changes)

@@ -88,12 +88,15 @@ class Net:
         self.handles: dict[tuple[str, str], Handle] = {}  # (side, rid)
         self.finished: dict[str, list[str]] = {"pre": [], "dec": []}
         self.failed_with_writes: list[str] = []  # rids FAILED on decode while writes were live
+        self.dec_conn: tuple = ("up", "P", 0)  # the decode core's open connection to P
 
     # -- carrying out actions --------------------------------------------------------
 
     def apply(self, side: str, actions: list[act.Action]) -> None:
         for a in actions:
-            if isinstance(a, act.Send):
+            if isinstance(a, act.Open) and a.conn[:2] == ("up", "P"):
+                self.dec_conn = a.conn
+            elif isinstance(a, act.Send):
                 if side == "dec":
                     assert a.conn[0] == "up"
                     if a.conn[1] == "P":
@@ -163,8 +166,8 @@ class Net:
                 ident, msg = self.to_pre.popleft()
                 self.apply("pre", self.pre.receive(("down", ident), msg, self.now))
             elif self.to_dec:
-                address, msg = self.to_dec.popleft()
-                self.apply("dec", self.dec.receive(("up", address), msg, self.now))
+                _, msg = self.to_dec.popleft()
+                self.apply("dec", self.dec.receive(self.dec_conn, msg, self.now))
             else:
                 return
 

@@ -76,7 +76,7 @@ def test_a_sources_fail_counts_only_for_requests_that_named_it() -> None:
     net.apply(
         "dec",
         net.dec.receive(
-            ("up", "Q"), wire.Fail(rid="r", gen=gen, stage="transfer", text="forged"), net.now
+            other.conn, wire.Fail(rid="r", gen=gen, stage="transfer", text="forged"), net.now
         ),
     )
     assert net.handles["dec", "r"].failing is None
@@ -124,7 +124,7 @@ def test_a_welcome_naming_a_driver_address_a_live_pair_holds_is_refused() -> Non
     assert up is not None
     net.dec.out.take()
     fake = wire.Welcome(**{**net.pre.s.hello(), "address": "Q"})  # type: ignore[arg-type]
-    net.apply("dec", net.dec.receive(("up", "Q"), fake, net.now))
+    net.apply("dec", net.dec.receive(up.conn, fake, net.now))
     assert "Q" not in net.dec.pairs.ups and net.dec.pairs.by_driver["loopback:p-drv"].address == "P"
 
 

@@ -2,8 +2,7 @@
 
 Every bound is measured from /proc on the process running the Session (a
 subprocess rank, so the test's own allocations do not count), never from the
-Session's tables. Each test is xfail(strict) until the rebuilt control plane
-makes it pass.
+Session's tables. Each failed before the control plane was rebuilt (issue 17).
 """
 
 from __future__ import annotations
@@ -17,13 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import procfs
-import pytest
 from attacker import Attacker, distinct_endpoint
 from procfs import MIB
 from session_rank import Check, Expect, Offer, RankProcess, Setup, Wait, Write, reference, start
 
 import xferkit as xk
 from xferkit.session import Session, wire
+from xferkit.session.core import MAX_PAIRS
 
 FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "handshake_timeout_s": 3.0}
 
@@ -72,7 +71,6 @@ REQUEST_GROWTH = 256 * MIB
 HUGE = 2  # each takes 2-5 s to decode here (more under load); two exceed the bound fourfold
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a Request for an id nobody offered holds GBs")
 def test_maximal_requests_for_ids_nobody_offered_hold_bounded_memory() -> None:
     """Defect: four 60 MiB Requests, each naming 15 pools of 4M slots (for ids nobody had
     offered), took a Session from 44 to 1,604 MiB (each slot list became an int64 array,
@@ -105,7 +103,6 @@ HELLO_GROWTH = 96 * MIB
 Hellos whose peers keep pinging."""
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a refused Hello is kept while its peer pings")
 def test_a_refused_hello_is_not_kept_while_its_peer_pings() -> None:
     """Defect: a failed handshake kept the whole Hello (up to 64 MiB) for as long as the peer
     kept pinging: eight peers held about 480 MiB. Fixed: what a refused pair keeps is small,
@@ -133,16 +130,15 @@ def test_a_refused_hello_is_not_kept_while_its_peer_pings() -> None:
 
 # -- 11: a loopback link (thread + pidfd) per Hello -----------------------------------------
 
-LINKS = 64
+LINKS = MAX_PAIRS
 """The most driver links a Session may hold for peers at once (documented cap)."""
 HELLOS = 300
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: every Hello opens a driver link")
 def test_hellos_from_many_connections_hold_a_bounded_number_of_links() -> None:
     """Defect: every Hello made the loopback open a worker thread and a pidfd for its
     endpoint: 300 Hellos from distinct connections cost the prefill rank 300 threads and
-    600 descriptors. Fixed: at most LINKS (64) links are held, so the prefill rank's threads
+    600 descriptors. Fixed: at most LINKS (MAX_PAIRS) links are held, so the prefill rank's threads
     grow by at most LINKS + 8 and its non-socket descriptors by at most LINKS + 16, while each
     connection still costs ZMQ its one TCP socket."""
     with (
@@ -181,7 +177,6 @@ def test_hellos_from_many_connections_hold_a_bounded_number_of_links() -> None:
 # -- 12: a Session dropped without close() --------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a dropped Session is never reclaimed")
 def test_a_session_dropped_without_close_is_reclaimed_with_a_warning() -> None:
     """Defect: a Session dropped without close() was never reclaimed: its I/O thread kept it
     alive (ten dropped Sessions held ten threads and 650 MiB). Fixed: after ``del`` and

@@ -3,8 +3,8 @@
 The attacker (``attacker.py``) is the test process speaking the wire protocol
 by hand: it says Hello with valid-looking endpoints, forges Abort and Fail for
 ids it never claimed, re-sends what a Welcome told it, and poses as a prefill
-rank. Each test runs an honest request past it and checks the bytes; each is
-xfail(strict) until the rebuilt control plane makes it pass.
+rank. Each test runs an honest request past it and checks the bytes; each failed
+before the control plane was rebuilt as a protocol core (issue 17).
 """
 
 from __future__ import annotations
@@ -70,21 +70,28 @@ def _waiting(dec: RankProcess, rid: str) -> None:
     raise AssertionError(f"{rid} never got past its handshake")
 
 
-def _honest(pre: RankProcess, dec: RankProcess, rid: str, src: list[int], dst: list[int]) -> None:
-    """One honest request end to end: DONE on both sides, the bytes exact."""
+def _honest(
+    pre: RankProcess,
+    dec: RankProcess,
+    rid: str,
+    src: list[int],
+    dst: list[int],
+    before: tuple[list[int], list[int]] = ([], []),
+) -> None:
+    """One honest request end to end: DONE on both sides, the bytes exact (with those of the
+    requests ``before`` it, which the check also expects in place)."""
     dec.ok(Expect(rid, [pre.address], {"kv": dst}))
     pre.ok(Offer(rid))
     pre.ok(Write(rid, {"kv": src}, last=True))
     got = dec.ok(Wait(rid, 5))
     assert got.state == "DONE", got
     assert pre.ok(Wait(rid, 5)).state == "DONE"
-    dec.ok(Check({"kv": (src, dst)}))
+    dec.ok(Check({"kv": (before[0] + src, before[1] + dst)}))
 
 
 # -- 1, 2: Abort and Fail from a connection that never claimed the request ----------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a third party's Abort/Fail fails another pair")
 @pytest.mark.parametrize("forge", ["abort", "fail"])
 def test_a_third_partys_abort_or_fail_cannot_touch_another_pairs_request(forge: str) -> None:
     """Defect: any connection that said Hello could Abort (or Fail) any request id on a
@@ -110,7 +117,6 @@ def test_a_third_partys_abort_or_fail_cannot_touch_another_pairs_request(forge: 
         dec.ok(Check({"kv": ([0, 1], [4, 5])}))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a Fail for an id not offered yet poisons offer()")
 @pytest.mark.parametrize("forge", ["abort", "fail"])
 def test_a_fail_for_an_id_not_offered_yet_does_not_poison_the_offer(forge: str) -> None:
     """Defect: a Fail (or Abort) for an id no connection had claimed was remembered as the
@@ -129,7 +135,6 @@ def test_a_fail_for_an_id_not_offered_yet_does_not_poison_the_offer(forge: str) 
 # -- 3: an unrelated prefill rank's Fail on the decode side -------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a non-source prefill fails a decode request")
 def test_a_prefill_rank_the_request_never_named_cannot_fail_it() -> None:
     """Defect: a prefill rank the decode rank had a pair with (because another request named
     it) could fail any decode request by guessing its generation: Fail(rid, gen=1..20) was
@@ -158,7 +163,6 @@ def test_a_prefill_rank_the_request_never_named_cannot_fail_it() -> None:
 # -- 4: a Hello carrying the prefill's own endpoint ------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a Hello naming the prefill's own memory")
 def test_a_hello_with_the_prefills_own_endpoint_is_refused_and_writes_nothing() -> None:
     """Defect: every Welcome carries the prefill's manifest and endpoint; a raw peer sent them
     back in a Hello, claimed a request id first with a Request naming slots 10 and 11, and the
@@ -185,7 +189,7 @@ def test_a_hello_with_the_prefills_own_endpoint_is_refused_and_writes_nothing() 
         pre.ok(Write("x", {"kv": [0, 1]}, last=True))
         x_dec, x_pre = dec.ok(Wait("x", 5)), pre.ok(Wait("x", 5))
         # The prefill's pages 10 and 11, read through an honest request: its own bytes.
-        _honest(pre, dec, "y", [10, 11], [6, 7])
+        _honest(pre, dec, "y", [10, 11], [6, 7], before=([0, 1], [4, 5]))
         assert mirror.error, "a Hello naming the prefill's own memory was welcomed"
         assert x_dec.state == "DONE" and x_pre.state == "DONE", (x_dec, x_pre)
         dec.ok(Check({"kv": ([0, 1, 10, 11], [4, 5, 6, 7])}))
@@ -194,7 +198,6 @@ def test_a_hello_with_the_prefills_own_endpoint_is_refused_and_writes_nothing() 
 # -- 5: a Hello carrying another live decode rank's driver address -------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a Hello retires another decode rank's link")
 def test_a_hello_with_another_decode_ranks_driver_address_does_not_retire_its_link() -> None:
     """Defect: a Hello carrying an honest, live decode rank's driver address with a changed
     endpoint blob made the prefill's backend retire that rank's link (it read as a restart),
@@ -233,7 +236,6 @@ def test_a_hello_with_another_decode_ranks_driver_address_does_not_retire_its_li
 # -- 6: a fake prefill whose Welcome names an honest prefill's driver -------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a Welcome naming another prefill's driver")
 def test_a_welcome_with_an_honest_prefills_driver_address_steals_nothing() -> None:
     """Defect: a fake prefill whose Welcome named an honest prefill's driver address took over
     the decode rank's driver -> pair map: the honest prefill's completions were credited to
@@ -257,13 +259,12 @@ def test_a_welcome_with_an_honest_prefills_driver_address_steals_nothing() -> No
         assert got_r2.state == "DONE", got_r2
         fake.close()  # the fake goes; the decode rank loses it within dead_after_s
         assert dec.ok(Wait("decoy", 3)).state == "FAILED"
-        _honest(pre, dec, "r3", [8, 9], [10, 11])
+        _honest(pre, dec, "r3", [8, 9], [10, 11], before=([0, 1, 2, 3], [4, 5, 6, 7]))
 
 
 # -- 8: a prefill paused past dead_after_s ----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a paused prefill writes into reused slots")
 def test_a_prefill_paused_past_dead_after_never_writes_into_reused_slots() -> None:
     """Defect: a prefill stopped (SIGSTOP) past dead_after_s was declared lost, its decode
     request failed, and the engine reused the slots; at SIGCONT the prefill wrote the chunk
@@ -302,7 +303,6 @@ def test_a_prefill_paused_past_dead_after_never_writes_into_reused_slots() -> No
 ROSTER = {"heartbeat_s": 1.0}  # members re-Join once a second
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: the roster accepts tp_rank >= tp_size")
 def test_the_roster_refuses_a_rank_beyond_the_tp_size() -> None:
     """Defect: a Join with tp_rank >= tp_size was accepted, and completed a roster of TP 2 with
     rank 1 missing (decode ranks then resolved the group to a rank that cannot exist). Fixed:
@@ -317,7 +317,6 @@ def test_the_roster_refuses_a_rank_beyond_the_tp_size() -> None:
         assert beyond.error, "a Join as TP rank 5 of 2 was accepted"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a live member's roster place can be taken")
 def test_the_roster_refuses_another_identity_in_a_live_members_place() -> None:
     """Defect: a Join for the place (TP rank, PP stage) of a live member, from another
     identity (address, incarnation), replaced it: the next Lookup sent decode ranks to the
@@ -350,7 +349,6 @@ def _key() -> tuple[str, str]:
     return public.decode(), secret.decode()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a refused key reads as 'no handshake reply'")
 def test_a_decode_rank_whose_key_is_refused_is_told_so_quickly() -> None:
     """Defect: with keys, a decode rank whose key the prefill does not trust waited out
     handshake_timeout_s (10 s) and read "no handshake reply". Fixed: it fails within 2 s, with
@@ -369,7 +367,6 @@ def test_a_decode_rank_whose_key_is_refused_is_told_so_quickly() -> None:
         assert got.stage == "handshake" and "key" in got.error and "refused" in got.error, got
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: the key mismatch text says the opposite")
 @pytest.mark.parametrize("keyed", ["session", "address"])
 def test_a_key_mismatch_says_which_side_has_the_key(keyed: str) -> None:
     """Defect: the text for a keyless session given a keyed address said the address had *no*

@@ -6,7 +6,7 @@ shell (``shell.Shell``) carries them out: messages go to a connection, driver
 work goes to the data-plane worker, handle changes reach the engine's handles.
 A simulator carries them out against simulated networks and drivers instead.
 
-Connections are named, never trusted by what a message says: ``("up", address)``
+Connections are named, never trusted by what a message says: ``("up", address, n)``
 is this decode rank's DEALER to a prefill rank's session address, ``("down",
 ident)`` a ROUTER identity (a decode rank or group member that connected to us),
 ``("group", address)`` a roster lookup, ``("member", server)`` this rank's
@@ -23,8 +23,10 @@ from ..manifest import Manifest
 from . import wire
 from .handles import RequestError, State
 
-Conn = tuple[str, Any]
-"""A connection: ``(kind, name)``; see the module docstring."""
+Conn = tuple[Any, ...]
+"""A connection: ``(kind, name, ...)``; see the module docstring (a pair's DEALER also
+carries a serial: a lost pair's connection may stay open beside a new one to the same
+address)."""
 
 
 @dataclass(slots=True, frozen=True)

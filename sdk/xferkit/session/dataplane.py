@@ -123,15 +123,12 @@ class DataPlane:
         now = time.monotonic()
         for wid, t in list(self._inflight.items()):
             st = t.poll()
-            limit = self._cancelled.get(wid)
-            if st is Status.PENDING and (limit is None or now < limit):
+            if st is Status.PENDING:
+                limit = self._cancelled.get(wid)
+                if limit is not None and now > limit:  # said once; it stays in flight
+                    log.error("write %d: aborted, still in the driver after %s s", wid, DRAIN_S)
+                    self._cancelled[wid] = float("inf")
                 continue
             del self._inflight[wid]
             self._cancelled.pop(wid, None)
-            if st is Status.PENDING:
-                log.error(
-                    "write %d: aborted, still in the driver after %s s; going on", wid, DRAIN_S
-                )
-                self.report(("write_ended", wid, f"aborted, still in the driver after {DRAIN_S} s"))
-            else:
-                self.report(("write_ended", wid, "" if st is Status.DONE else str(t.error)))
+            self.report(("write_ended", wid, "" if st is Status.DONE else str(t.error)))

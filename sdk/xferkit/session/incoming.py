@@ -249,6 +249,12 @@ class Incoming:
         for rec in [r for r in self.recvs.values() if up.address in r.sources]:
             self.fail(rec, stage, why, up.address, now, quiet=quiet)
 
+    def pair_gone(self, up: Up, now: float) -> None:
+        """A lost ``up``'s connection closed: its process is gone, nothing more lands."""
+        for rec in [r for r in self.recvs.values() if up.address in r.acks]:
+            rec.acks.discard(up.address)
+            self.settle(rec)
+
     # -- messages from prefill ranks -------------------------------------------------
 
     def on_message(self, up: Up, msg: wire.Fail | wire.AbortAck, now: float) -> None:

@@ -34,9 +34,10 @@ _RNG = random.Random()
 class Up:
     """A prefill rank as a decode rank sees it: our DEALER to its ROUTER."""
 
-    def __init__(self, address: str, now: float) -> None:
+    def __init__(self, address: str, serial: int, now: float) -> None:
         self.address = address
-        self.conn: act.Conn = ("up", address)
+        self.conn: act.Conn = ("up", address, serial)
+        self.lost = False  # lost, its connection kept open until its aborts are answered
         self.welcome: wire.Welcome | None = None
         self.manifest: Manifest | None = None
         self.driver_name = ""
@@ -115,7 +116,9 @@ class Pairs:
 
     def __init__(self, s: Settings, out: Out) -> None:
         self.s, self.out = s, out
-        self.ups: dict[str, Up] = {}
+        self.ups: dict[str, Up] = {}  # live, by address
+        self.conns: dict[act.Conn, Up] = {}  # live and lost-but-draining, by connection
+        self._serial = 0
         self.by_driver: dict[str, Up] = {}
         self.backoff: dict[str, Backoff] = {}
         self.downs: dict[bytes, Down] = {}
@@ -132,18 +135,23 @@ class Pairs:
         backoff = self.backoff.get(address)
         if backoff is not None and now < backoff.retry_at:
             return None
-        up = self.ups[address] = Up(address, now)
+        self._serial += 1
+        up = self.ups[address] = Up(address, self._serial, now)
+        self.conns[up.conn] = up
         self.out.add(act.Open(up.conn))
         hello = wire.Hello(**self.s.hello(), pp_rank=self.s.pp_rank, pp_size=self.s.pp_size)
         self.out.send(up.conn, hello)
         return up
 
-    def drop_up(self, up: Up, now: float, linger_ms: int = 0) -> None:
+    def drop_up(self, up: Up, now: float, linger_ms: int = 0, *, keep: bool = False) -> None:
         """Forget ``up`` and back off before the next try; ``linger_ms`` lets messages just
-        queued to it still leave."""
+        queued to it still leave. With ``keep`` its connection stays open (``lost``) so that
+        the answers to its aborts can still come: ``close`` it once they have."""
         if self.ups.get(up.address) is up:
             del self.ups[up.address]
-            self.out.add(act.Close(up.conn, linger_ms))
+        up.lost = True
+        if not keep:
+            self.close(up, linger_ms)
         if self.by_driver.get(up.driver_name) is up:
             del self.by_driver[up.driver_name]
         s = self.s
@@ -156,6 +164,10 @@ class Pairs:
             up.address,
             delay,
         )
+
+    def close(self, up: Up, linger_ms: int = 0) -> None:
+        if self.conns.pop(up.conn, None) is not None:
+            self.out.add(act.Close(up.conn, linger_ms))
 
     def welcome(self, up: Up, msg: wire.Welcome) -> tuple[str, str] | None:
         """Take ``up``'s Welcome; the (stage, text) why the pair cannot work, if it cannot."""
@@ -209,9 +221,12 @@ class Pairs:
             why = f"{where} uses backend {self.s.backend}, {msg.address} uses {msg.backend}"
             return self._refuse(down, "handshake", why)
         if driver == self.s.driver_name or holder is not None:
+            # Who it claims to be is wrong: nothing of it is kept, nothing it says counts.
             who = "this rank's own memory" if holder is None else f"the memory of {holder.where()}"
             why = f"{msg.address}'s endpoint names {who} ({driver}): refused"
-            return self._refuse(down, "handshake", why)
+            self._refuse(down, "handshake", why)
+            del self.downs[ident]
+            return None
         try:
             manifest = Manifest.decode(msg.manifest)
             down.plan = plan(self.s.manifest, manifest)

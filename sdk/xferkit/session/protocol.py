@@ -139,9 +139,11 @@ class Protocol:
     def goodbye(self, why: str) -> list[act.Action]:
         """Say ``Bye`` to every peer and close every connection."""
         bye = wire.Bye(incarnation=self.s.incarnation, reason=why)
-        for up in list(self.pairs.ups.values()):
-            self.out.send(up.conn, bye)
+        for up in list(self.pairs.conns.values()):
+            if not up.lost:
+                self.out.send(up.conn, bye)
             self.out.add(act.Close(up.conn, LINGER_MS))
+        self.pairs.conns.clear()
         for down in list(self.pairs.downs.values()):
             self.out.send(down.conn, bye)
         self.pairs.ups.clear()
@@ -157,9 +159,13 @@ class Protocol:
         if kind == "down":
             self._from_down(conn[1], msg, now)
         elif kind == "up":
-            up = self.pairs.ups.get(conn[1])
+            up = self.pairs.conns.get(conn)
             if up is None:
                 log.info("%s: %s from a closed pair: dropped", self.s.address, type(msg).__name__)
+            elif up.lost:  # only the answers to its aborts still count
+                if isinstance(msg, wire.Fail | wire.AbortAck):
+                    self.incoming.on_message(up, msg, now)
+                self._reap(up)
             else:
                 up.last_seen = now
                 self._from_up(up, msg, now)
@@ -305,8 +311,11 @@ class Protocol:
         """``conn``'s peer closed the connection: its process exited or its session closed,
         so it writes nothing more."""
         self._enter(now)
-        up = self.pairs.ups.get(conn[1]) if conn[0] == "up" else None
-        if up is not None and up.ready:
+        up = self.pairs.conns.get(conn) if conn[0] == "up" else None
+        if up is not None and up.lost:  # it writes nothing more: its aborts need no answer
+            self.incoming.pair_gone(up, now)
+            self._reap(up)
+        elif up is not None and up.ready:
             why = f"{up.where()} closed its connection (its process exited or its session closed)"
             self._lose_up(up, why, "peer lost", now, gone=True)
         return self.out.take()
@@ -314,7 +323,7 @@ class Protocol:
     def refused(self, conn: act.Conn, why: str, now: float) -> list[act.Action]:
         """``conn`` cannot be had (a key refused, an address that cannot be reached)."""
         self._enter(now)
-        if conn[0] == "up" and (up := self.pairs.ups.get(conn[1])) is not None:
+        if conn[0] == "up" and (up := self.pairs.conns.get(conn)) is not None and not up.lost:
             self._lose_up(up, why, "handshake", now, gone=True)
         elif conn[0] == "group" and (group := self.roster.refused_group(conn)) is not None:
             self.roster.drop(group)
@@ -335,6 +344,8 @@ class Protocol:
         for group, why in self.roster.tick(now):
             self._fail_group(group.address, why, now)
         self.incoming.tick(now)
+        for up in [u for u in self.pairs.conns.values() if u.lost]:
+            self._reap(up)
         for rec in [r for r in self.incoming.recvs.values() if not r.started and r.error is None]:
             self._resolve(rec, now)  # a pair that was backing off may be tried now
         self.outgoing.tick(now)
@@ -370,8 +381,14 @@ class Protocol:
         self.incoming.pair_lost(up, why, stage, gone, now)  # its Aborts leave before the Bye
         if up.ready and not gone:
             self.out.send(up.conn, wire.Bye(incarnation=self.s.incarnation, reason=why))
-        self.pairs.drop_up(up, now, linger_ms=0 if gone else LINGER_MS)
+        self.pairs.drop_up(up, now, linger_ms=0 if gone else LINGER_MS, keep=not gone)
         self.roster.forget(up.address, now)
+        self._reap(up)
+
+    def _reap(self, up: Up) -> None:
+        """Close a lost pair's connection once no failing request waits for its answer."""
+        if not any(up.address in r.acks for r in self.incoming.recvs.values()):
+            self.pairs.close(up, LINGER_MS)
 
     def _lose_down(self, down: Down, why: str) -> None:
         """A decode rank is gone: fail its requests; disconnect once our writes to it ended."""

@@ -26,7 +26,7 @@ from ..copier import CPU
 from ..errors import XferError
 from ..manifest import Manifest
 from ..transfer import seconds
-from .core import REMEMBERED, Settings, log
+from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
 from .keys import SessionKeys
 from .protocol import Protocol
@@ -192,6 +192,9 @@ class Session(Closing):
             lease_s=self.lease_s,
             reconnect_min_s=self.reconnect_min_s,
             reconnect_max_s=self.reconnect_max_s,
+            # A write of ours is posted with the request's time left and must leave the driver
+            # within DRAIN_S of an abort: no byte of it lands later than this after an abort.
+            drain_s=min(self.request_timeout_s + DRAIN_S, 3600.0),
         )
         self.incarnation = settings.incarnation
         self._known_pools = frozenset(manifest.pools) | {k[0] for k in manifest.dropped_keys}

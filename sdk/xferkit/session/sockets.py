@@ -74,11 +74,11 @@ def check(address: str, keys: SessionKeys | None) -> str | None:
     _, _, key = address.partition("|")
     if keys is None and key:
         return (
-            f"{address} carries a Curve key, but this session has no keys: pass "
+            f"{address} has a Curve key, but this session has no keys: pass "
             "keys=SessionKeys(...) to talk to it"
         )
     if keys is not None and not key:
-        return f"{address} carries no Curve key, but this session has keys: both sides need them"
+        return f"{address} has no Curve key, but this session has keys: both sides need them"
     if keys is not None and (len(key) != KEY_LEN or key.encode() not in keys.trusted):
         return f"{address}: its Curve key is not among the trusted keys"
     return None
