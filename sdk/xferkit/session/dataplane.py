@@ -23,9 +23,22 @@ from ..transfer import Transfer
 from . import actions as act
 from .core import DRAIN_S, log
 
-NAP_MIN_S = 2e-5
-NAP_MAX_S = 1e-3
-"""How often writes in flight are polled: at once after a post, then backing off to this."""
+INLINE_BYTES = 4 << 20
+INLINE_DESCRIPTORS = 1024
+"""A post at most this large is made on the calling (control) thread when nothing waits for
+the worker: it costs the driver tens of microseconds (a NIXL host copy of 4 MiB: about a
+millisecond), far below any heartbeat, and a hand-over to the worker would cost two thread
+switches on the hot path. Larger posts, and every poll, run on the worker."""
+
+AWAKE_S = 0.2
+"""How long the worker keeps waking every ``POLL_S`` after its last work: a write posted
+inline meanwhile needs no wake-up (which would take the GIL from the driver's threads just
+as they move its bytes)."""
+
+POLL_S = 1e-3
+"""How often writes in flight are polled (no driver can wake us when one ends); at most that
+often, however many actions arrive: polling every write after every post made a burst of
+requests quadratic."""
 
 
 class DataPlane:
@@ -40,6 +53,10 @@ class DataPlane:
         self._inflight: dict[int, Transfer] = {}
         self._cancelled: dict[int, float] = {}  # wid -> when we stop waiting for the driver
         self._stopping = False
+        self._posted = False  # a post was made since the last poll
+        self._awake_until = 0.0  # polling every POLL_S until then, even with nothing in flight
+        self._last: Transfer | None = None  # the last write posted on the caller's thread
+        self.behind = False  # that write was still running when the next one was made
         self._thread = threading.Thread(target=self._run, name=f"xferkit-data-{name}", daemon=True)
         self._thread.start()
 
@@ -47,6 +64,29 @@ class DataPlane:
         with self._cond:
             self._queue.extend(actions)
             self._cond.notify()
+
+    def post(self, action: act.Post) -> None:
+        """Make a small post now (see ``INLINE_BYTES``), else queue it for the worker."""
+        d = action.descs
+        with self._cond:
+            later = bool(self._queue) or len(d) > INLINE_DESCRIPTORS or d.total_bytes > INLINE_BYTES
+            idle = not self._inflight and time.monotonic() > self._awake_until
+        if later:
+            self.submit([action])
+            return
+        last = self._last
+        self._do(action)
+        self._last = self._inflight.get(action.wid)
+        if last is not None and last.poll() is Status.PENDING:
+            self.behind = True  # the driver has not caught up: its threads need the GIL
+        if idle:  # it sleeps long: wake it (while awake it polls every POLL_S anyway)
+            with self._cond:
+                self._cond.notify()
+
+    @property
+    def backlog(self) -> bool:
+        """Actions handed over that the worker has not taken yet."""
+        return bool(self._queue)
 
     @property
     def busy(self) -> bool:
@@ -60,13 +100,19 @@ class DataPlane:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        nap = NAP_MAX_S
+        poll_at = 0.0
         while True:
             with self._cond:
                 if not self._queue:
                     if self._stopping and not self._inflight:
                         return
-                    self._cond.wait(nap if self._inflight else 0.05)
+                    now = time.monotonic()
+                    if self._inflight:
+                        left = poll_at - now
+                    else:  # just after work: wake often, so a write posted inline is seen soon
+                        left = POLL_S if now < self._awake_until else 0.05
+                    if left > 0:
+                        self._cond.wait(left)
                 todo = list(self._queue)
                 self._queue.clear()
             for action in todo:
@@ -74,9 +120,18 @@ class DataPlane:
                     self._do(action)
                 except Exception:  # a bug: logged, and the loop goes on
                     log.exception("data plane: %s failed", type(action).__name__)
-            if self._inflight:
-                nap = NAP_MIN_S if todo else min(nap * 2, NAP_MAX_S)
+            now = time.monotonic()
+            if self._inflight or todo:
+                self._awake_until = now + AWAKE_S
+            if self._inflight and now >= poll_at:
+                # While posts keep coming, poll a quarter as often: polling every write costs
+                # the GIL the driver's own threads need to move the bytes. The pause counts
+                # from the end of a poll (one of a write split in thousands of batches takes
+                # milliseconds: counted from its start, the worker polled without pause).
+                every = 4 * POLL_S if self._posted else POLL_S
+                self._posted = False
                 self._poll()
+                poll_at = time.monotonic() + every
 
     def _do(self, action: act.Action) -> None:
         if isinstance(action, act.Post):
@@ -97,7 +152,9 @@ class DataPlane:
             except XferError as exc:
                 self.report(("write_ended", action.wid, str(exc)))
                 return
-            self._inflight[action.wid] = t
+            with self._cond:
+                self._inflight[action.wid] = t
+            self._posted = True
         elif isinstance(action, act.Cancel):
             pending = self._inflight.get(action.wid)
             if pending is not None:
@@ -121,7 +178,9 @@ class DataPlane:
 
     def _poll(self) -> None:
         now = time.monotonic()
-        for wid, t in list(self._inflight.items()):
+        with self._cond:
+            inflight = list(self._inflight.items())
+        for wid, t in inflight:
             st = t.poll()
             if st is Status.PENDING:
                 limit = self._cancelled.get(wid)
@@ -129,6 +188,7 @@ class DataPlane:
                     log.error("write %d: aborted, still in the driver after %s s", wid, DRAIN_S)
                     self._cancelled[wid] = float("inf")
                 continue
-            del self._inflight[wid]
+            with self._cond:
+                del self._inflight[wid]
             self._cancelled.pop(wid, None)
             self.report(("write_ended", wid, "" if st is Status.DONE else str(t.error)))

@@ -43,6 +43,7 @@ class Protocol:
         self.roster = Roster(settings, self.out, group)
         self.last: float | None = None
         self.tick_s = min(settings.heartbeat_s / 4, 0.05)
+        self._tick_at = 0.0  # the first timer runs at once
 
     def start(self) -> list[act.Action]:
         """What the shell does first (open the group membership, if any)."""
@@ -336,6 +337,7 @@ class Protocol:
 
     def timer(self, now: float) -> list[act.Action]:
         self._enter(now)
+        self._tick_at = now + self.tick_s
         lost_ups, lost_downs = self.pairs.tick(now)
         for up, why, stage in lost_ups:
             self._lose_up(up, why, stage, now)
@@ -352,10 +354,14 @@ class Protocol:
         return self.out.take()
 
     def next_deadline(self) -> float:
-        """When ``timer`` must run at the latest (it also runs whenever anything else does)."""
-        last = self.last if self.last is not None else 0.0
+        """When ``timer`` must run next. Every deadline of the parts (heartbeats, handshakes,
+        requests, leases, drains) is checked by ``timer``, which runs every ``tick_s`` at the
+        latest: cheap enough to ask on every pass of a shell's loop."""
+        return self._tick_at
+
+    def deadlines(self) -> float:
+        """The earliest deadline of any part (a simulator may jump the clock to it)."""
         return min(
-            last + self.tick_s,
             self.pairs.next_deadline(),
             self.roster.next_deadline(),
             self.incoming.next_deadline(),

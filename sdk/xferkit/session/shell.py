@@ -39,6 +39,8 @@ from .protocol import Protocol
 
 POLL_S = 0.001
 """How often notifications are polled for a driver without a descriptor to sleep on."""
+YIELD_S = 5e-5
+"""How long the control thread pauses in a burst while the data plane has posts to take."""
 _MONITORED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
 
 
@@ -77,6 +79,7 @@ class Shell:
         self._dealers: dict[zmq.Socket[Any], act.Conn] = {}
         self._copier = copier
         self._packer: ThreadPoolExecutor | None = None
+        self._driver_work: list[act.Action] = []  # for the data plane, flushed once a pass
         self._notify_fd: int | None = None
         self._poll_notes = False
         self.data = DataPlane(backend, self.event, self.where)
@@ -173,6 +176,7 @@ class Shell:
                 now = time.monotonic()
                 if now >= p.next_deadline():
                     self._apply(p.timer(now))
+                self._flush()
         except Exception:  # a bug: fail everything loudly rather than hang the engine
             log.exception("%s: the session's control thread crashed", self.where)
             self._close("the session's control thread crashed (see the log)")
@@ -189,6 +193,7 @@ class Shell:
                     self._woken = False
                     return False
                 cmd = self.commands.popleft()
+            self._yield()
             kind, args = cmd[0], cmd[1:]
             now = time.monotonic()
             if kind == "close":
@@ -203,12 +208,16 @@ class Shell:
         p = self.protocol
         assert p is not None
         self._apply(p.close(why, time.monotonic()))
+        self._flush()
         limit = time.monotonic() + DRAIN_S
         while (self.data.busy or self.commands) and time.monotonic() < limit:
             self._run_commands()
+            self._flush()
             time.sleep(0.002)
         self._run_commands()
+        self._flush()
         self._apply(p.goodbye(why))
+        self._flush()
         self.data.stop(1.0)
         time.sleep(0.05)  # let the byes leave before the sockets close
 
@@ -226,6 +235,7 @@ class Shell:
             except zmq.ZMQError as exc:
                 log.warning("%s: receiving: %s", self.where, exc)
                 return True
+            self._yield()
             if len(frames) != 2:
                 log.warning("%s: dropped a message of %d frames", self.where, len(frames))
                 continue
@@ -294,12 +304,14 @@ class Shell:
     # -- carrying out actions -------------------------------------------------------------
 
     def _apply(self, actions: list[act.Action]) -> None:
-        driver: list[act.Action] = []
+        driver = self._driver_work
         for a in actions:
             if isinstance(a, act.Send):
                 self._send(a.conn, a.msg)
             elif isinstance(a, act.Move):
                 a.handle._move(a.state)
+            elif isinstance(a, act.Post) and not driver:
+                self.data.post(a)  # small ones at once (dataplane.INLINE_BYTES)
             elif isinstance(a, act.Post | act.Cancel | act.Connect | act.Disconnect):
                 driver.append(a)
             elif isinstance(a, act.Done):
@@ -315,8 +327,23 @@ class Shell:
                 self._open(a.conn)
             elif isinstance(a, act.Close):
                 self._close_conn(a.conn, a.linger_ms)
-        if driver:
-            self.data.submit(driver)
+
+    def _flush(self) -> None:
+        """Hand the driver work gathered so far to the data plane (one wake-up for it all)."""
+        if self._driver_work:
+            work, self._driver_work = self._driver_work, []
+            self.data.submit(work)
+
+    def _yield(self) -> None:
+        """Hand driver work over now and, while the data plane has not taken it yet or the
+        driver is behind the writes already posted, pause: CPython gives the GIL to a
+        waiting thread only when its holder blocks, so a burst of requests drained back to
+        back would otherwise hold every write until the whole burst is in (measured:
+        pipelined one-page requests fell to 0.75 of direct writes)."""
+        self._flush()
+        if self.data.backlog or self.data.behind:
+            self.data.behind = False
+            time.sleep(YIELD_S)
 
     def _send(self, conn: act.Conn, msg: wire.Message) -> None:
         try:
