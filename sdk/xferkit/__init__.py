@@ -10,6 +10,7 @@ from .backend import Backend, Peer
 from .descriptors import Descriptors
 from .driver import Notification, Status, hookimpl
 from .errors import (
+    ArgumentError,
     BoundsError,
     CapabilityError,
     ManifestError,
@@ -34,6 +35,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "PAGE_AXIS",
+    "ArgumentError",
     "Backend",
     "BackendInfo",
     "BoundsError",

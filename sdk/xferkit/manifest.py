@@ -20,7 +20,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ManifestError
+from .arguments import expect
+from .errors import ArgumentError, ManifestError
 from .sharding import AxisLayout, axis_layout
 
 RegionKey = tuple[str, str, int, int]
@@ -136,9 +137,9 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         reports (needed for ``__cuda_array_interface__`` objects, which do not
         say which GPU they live on).
         """
-        label = key_label((pool, name, layer, part))
-        addr, shape, itemsize, contiguous, found_device = _describe(array, label)
         subject = (pool, name, layer, part)
+        label = key_label(subject)
+        addr, shape, itemsize, contiguous, found_device = _describe(array, subject)
         if not contiguous:
             raise ManifestError(
                 f"region {label}: the array is not contiguous; register a contiguous "
@@ -158,24 +159,32 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             itemsize=itemsize,
             device=device or found_device,
             tp_axis=tp_axis,
-            tp_groups=_int_tuple(tp_groups, label, "tp_groups") if tp_groups is not None else None,
+            tp_groups=_int_tuple(tp_groups, subject, "tp_groups")
+            if tp_groups is not None
+            else None,
             tp_global=tp_global,
-            axes=_str_tuple(axes, label) if axes is not None else None,
+            axes=_str_tuple(axes, subject) if axes is not None else None,
         )
         region.__dict__["_owner"] = array  # not encoded: it only keeps the memory alive
         return region
 
 
-def _int_tuple(value: Any, label: str, field: str) -> tuple[int, ...]:
+def _int_tuple(value: Any, key: RegionKey, field: str) -> tuple[int, ...]:
     # Ordered only: a set's order changes with the hash seed, and these name positions.
     if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
-        raise ManifestError(f"region {label}: {field} must be a sequence of ints, not {value!r}")
+        raise ManifestError(
+            f"region {key_label(key)}: {field} must be a sequence of ints, not {value!r}",
+            subject=key,
+        )
     return tuple(value)
 
 
-def _str_tuple(value: Any, label: str) -> tuple[str, ...]:
+def _str_tuple(value: Any, key: RegionKey) -> tuple[str, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise ManifestError(f"region {label}: axes must be a sequence of names, not {value!r}")
+        raise ManifestError(
+            f"region {key_label(key)}: axes must be a sequence of names, not {value!r}",
+            subject=key,
+        )
     return tuple(value)
 
 
@@ -200,7 +209,7 @@ def _check_types(r: Region) -> None:
         value = getattr(r, field)
         return ManifestError(
             f"region {label}: {field} must be {want}, not {type(value).__name__} {value!r}",
-            subject=label,
+            subject=r.key,
         )
 
     for field in _STR_FIELDS:
@@ -234,20 +243,22 @@ def _check_types(r: Region) -> None:
         msgspec.structs.force_setattr(r, "axes", tuple(r.axes))
 
 
-def _describe(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
+def _describe(array: Any, key: RegionKey) -> tuple[int, tuple[int, ...], int, bool, str]:
     """(address, shape, itemsize, C-contiguous, device) of a writable tensor-like object."""
+    label = key_label(key)
     try:
-        return _interface(array, label)
+        return _interface(array, key)
     except ManifestError:
         raise
     except Exception as exc:  # a malformed interface dict, a shape that is not ints...
         raise ManifestError(
             f"region {label}: cannot describe {type(array).__name__}: {type(exc).__name__}: {exc}",
-            subject=label,
+            subject=key,
         ) from exc
 
 
-def _interface(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
+def _interface(array: Any, key: RegionKey) -> tuple[int, tuple[int, ...], int, bool, str]:
+    label = key_label(key)
     if hasattr(array, "data_ptr") and hasattr(array, "element_size"):  # torch.Tensor
         return (
             int(array.data_ptr()),
@@ -265,13 +276,13 @@ def _interface(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool,
             raise ManifestError(
                 f"region {label}: dtype {dtype} holds Python object pointers; a transfer "
                 "would overwrite them",
-                subject=label,
+                subject=key,
             )
         ptr, readonly = face["data"]
         if readonly:
             raise ManifestError(
                 f"region {label}: the array is read-only; peers write into registered memory",
-                subject=label,
+                subject=key,
             )
         shape = tuple(int(n) for n in face["shape"])
         strides = face.get("strides")
@@ -283,7 +294,7 @@ def _interface(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool,
     raise ManifestError(
         f"region {label}: {type(array).__name__} is neither a torch tensor nor exposes "
         "__array_interface__ / __cuda_array_interface__",
-        subject=label,
+        subject=key,
     )
 
 
@@ -414,12 +425,11 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
     def build(cls, regions: Iterable[Region], *, tp_rank: int = 0, tp_size: int = 1) -> Manifest:
         """Drop empty regions (recording why), then validate everything else."""
         if isinstance(regions, str | bytes | Region) or not isinstance(regions, Iterable):
-            raise ManifestError(f"Manifest.build takes an iterable of Regions, not {regions!r}")
+            raise ArgumentError(f"Manifest.build takes an iterable of Regions, not {regions!r}")
         kept: list[Region] = []
         dropped: list[Dropped] = []
         for region in regions:
-            if not isinstance(region, Region):
-                raise ManifestError(f"Manifest.build takes Regions, not {region!r}")
+            expect(region, Region, "Manifest.build")
             reason = _empty_reason(region)
             if reason is None:
                 kept.append(region)
@@ -505,8 +515,7 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
 
     @classmethod
     def decode(cls, data: bytes) -> Manifest:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise ManifestError(f"a manifest is msgpack bytes, not {type(data).__name__}")
+        expect(data, (bytes, bytearray, memoryview), "Manifest.decode")
         try:
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import msgspec
 import pluggy
 
+from .arguments import expect
 from .backend import Backend
 from .driver import CONTRACT_VERSION, BackendSpec, Driver, hookimpl
 from .errors import OptionError, PluginError, XferError
@@ -174,8 +175,7 @@ def open_backend(name: str, **options: Any) -> Backend:
 
     An unknown or ill-typed option is an ``OptionError`` for every driver.
     """
-    if not isinstance(name, str):
-        raise PluginError(f"a backend name is a str, not {name!r}", subject=name)
+    expect(name, str, "open_backend() (a backend name)")
     matches = [f for f in _discover() if f.spec.name == name]
     if not matches:
         known = sorted({f.spec.name for f in _discover()})

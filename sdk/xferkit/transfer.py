@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .arguments import seconds
 from .descriptors import Descriptors
 from .driver import Posted, Status
 from .errors import TransferError, XferError
@@ -215,8 +216,4 @@ class Transfer:
         self._on_end(self)
 
 
-def seconds(value: object, what: str) -> float:
-    """A caller's duration, checked: a bool, a string or a negative number is an error."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise XferError(f"{what} must be a number of seconds >= 0, not {value!r}")
-    return float(value)
+__all__ = ["Post", "Transfer", "seconds"]  # seconds: re-exported for older imports
