@@ -30,6 +30,7 @@ import pluggy
 
 from .descriptors import Descriptors
 from .manifest import AddressTable, Manifest, Region, parse_device
+from .options import DriverOptions
 
 CONTRACT_VERSION = 2
 """Bumped whenever the driver primitives change; plugins declare the one they implement."""
@@ -138,14 +139,19 @@ class Driver(ABC):
 
     Declare ``name`` (the backend name), ``Blob`` (the msgspec Struct your
     endpoint carries: the core encodes it and decodes a peer's with it, so a
-    malformed one never reaches ``connect``) and set ``capabilities`` in
-    ``__init__``. ``address`` is this driver's identity towards peers (an agent
-    name, a segment): a peer's ``Peer.name`` and a receiver's
-    ``Notification.peer`` are ``f"{name}:{address}"``.
+    malformed one never reaches ``connect``) and ``Options`` (a ``DriverOptions``
+    Struct: the core validates them, see ``xferkit.options``), and set
+    ``capabilities`` in ``__init__``. ``address`` is this driver's identity
+    towards peers (an agent name, a segment): a peer's ``Peer.name`` and a
+    receiver's ``Notification.peer`` are ``f"{name}:{address}"``.
     """
 
     name: ClassVar[str]
     Blob: ClassVar[type[msgspec.Struct]]
+    Options: ClassVar[type[DriverOptions] | None] = None
+    """The driver's options (a ``DriverOptions`` Struct): ``open_backend`` validates the
+    caller's keywords through it and passes ``__init__`` the result. None: ``__init__``'s
+    keyword arguments are the options (their names checked, their values the driver's job)."""
     capabilities: Capabilities = Capabilities()
     address: str
 
@@ -342,6 +348,7 @@ __all__ = [
     "Descriptors",
     "Done",
     "Driver",
+    "DriverOptions",
     "Manifest",
     "Notification",
     "Posted",

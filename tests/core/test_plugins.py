@@ -20,6 +20,7 @@ import pytest
 import xferkit
 from xferkit import Backend, BackendInfo, OptionError, PluginError, backends, open_backend
 from xferkit.driver import CONTRACT_VERSION
+from xferkit.options import DriverOptions, describe
 from xferkit.plugins import _reset
 
 HEAVY = '''
@@ -431,3 +432,29 @@ def test_a_bad_option_value_is_an_option_error(name: str, value: object) -> None
         pytest.skip(f"{name} is not usable here: {info.reason}")
     with pytest.raises(OptionError, match="max_batch"):
         open_backend(name, **DRIVER_OPTIONS.get(name, {}), max_batch=value)
+
+
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [({"faults": "x"}, "faults"), ({"max_batch": True}, "max_batch"), ({"fautls": None}, "fautls")],
+)
+def test_loopback_options_are_validated_when_it_opens(options: dict, culprit: str) -> None:
+    """Before: open_backend("loopback", faults="x") opened, then register() failed with a
+    RegistrationError about a missing attribute."""
+    with pytest.raises(OptionError, match=culprit) as exc:
+        open_backend("loopback", **options)
+    assert exc.value.subject == "loopback"
+
+
+@pytest.mark.parametrize("name", ["loopback", "mooncake", "nixl"])
+def test_every_in_tree_driver_documents_its_options_from_its_struct(name: str) -> None:
+    info = _only(name)
+    if not info.available:
+        pytest.skip(f"{name} is not usable here: {info.reason}")
+    module, _, attr = info.target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    assert cls.Options is not None and issubclass(cls.Options, DriverOptions)
+    described = describe(cls.Options)
+    assert "max_batch" in {o.name for o in described}
+    assert all(o.description for o in described)  # each says what it is for
+    assert all(o.default is not ... for o in described)  # a driver opens with none given
