@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .backend import Backend, Peer
 from .descriptors import Descriptors
-from .driver import Notification, Status, hookimpl
+from .driver import Notification, Status
 from .errors import (
     ArgumentError,
     BoundsError,
@@ -68,7 +68,6 @@ __all__ = [
     "__version__",
     "backends",
     "coverage",
-    "hookimpl",
     "key_label",
     "open_backend",
     "plan",

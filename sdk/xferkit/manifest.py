@@ -18,9 +18,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
+from .addresses import AddressTable
 from .arguments import expect
+from .arrays import describe
 from .errors import ArgumentError, ManifestError
 from .sharding import AxisLayout, axis_layout
 
@@ -139,7 +140,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         """
         subject = (pool, name, layer, part)
         label = key_label(subject)
-        addr, shape, itemsize, contiguous, found_device = _describe(array, subject)
+        addr, shape, itemsize, contiguous, found_device = describe(array, subject, label)
         if not contiguous:
             raise ManifestError(
                 f"region {label}: the array is not contiguous; register a contiguous "
@@ -241,142 +242,6 @@ def _check_types(r: Region) -> None:
         if not isinstance(r.axes, tuple | list) or not all(type(a) is str for a in r.axes):
             raise bad("axes", "a tuple of str")
         msgspec.structs.force_setattr(r, "axes", tuple(r.axes))
-
-
-def _describe(array: Any, key: RegionKey) -> tuple[int, tuple[int, ...], int, bool, str]:
-    """(address, shape, itemsize, C-contiguous, device) of a writable tensor-like object."""
-    label = key_label(key)
-    try:
-        return _interface(array, key)
-    except ManifestError:
-        raise
-    except Exception as exc:  # a malformed interface dict, a shape that is not ints...
-        raise ManifestError(
-            f"region {label}: cannot describe {type(array).__name__}: {type(exc).__name__}: {exc}",
-            subject=key,
-        ) from exc
-
-
-def _interface(array: Any, key: RegionKey) -> tuple[int, tuple[int, ...], int, bool, str]:
-    label = key_label(key)
-    if hasattr(array, "data_ptr") and hasattr(array, "element_size"):  # torch.Tensor
-        return (
-            int(array.data_ptr()),
-            tuple(int(n) for n in array.shape),
-            int(array.element_size()),
-            bool(array.is_contiguous()),
-            str(array.device),
-        )
-    for attr, device in (("__cuda_array_interface__", "cuda:0"), ("__array_interface__", "cpu")):
-        face = getattr(array, attr, None)
-        if face is None:
-            continue
-        dtype = np.dtype(face["typestr"])
-        if dtype.hasobject:
-            raise ManifestError(
-                f"region {label}: dtype {dtype} holds Python object pointers; a transfer "
-                "would overwrite them",
-                subject=key,
-            )
-        ptr, readonly = face["data"]
-        if readonly:
-            raise ManifestError(
-                f"region {label}: the array is read-only; peers write into registered memory",
-                subject=key,
-            )
-        shape = tuple(int(n) for n in face["shape"])
-        strides = face.get("strides")
-        contiguous = strides is None or all(
-            n == 1 or s == c
-            for n, s, c in zip(shape, strides, _c_strides(shape, dtype.itemsize), strict=True)
-        )
-        return int(ptr or 0), shape, dtype.itemsize, contiguous, device
-    raise ManifestError(
-        f"region {label}: {type(array).__name__} is neither a torch tensor nor exposes "
-        "__array_interface__ / __cuda_array_interface__",
-        subject=key,
-    )
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
-    out, step = [], itemsize
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return out[::-1]
-
-
-_ONE = np.uint64(1)
-
-
-class AddressTable:
-    """Disjoint address ranges, sorted once, looked up vectorized in O(n log ranges).
-
-    Ends are kept inclusive (the last byte), so a range ending at 2**64 never wraps.
-    """
-
-    __slots__ = ("last", "order", "starts")
-
-    def __init__(self, addrs: npt.ArrayLike, nbytes: npt.ArrayLike) -> None:
-        addrs = np.asarray(addrs, dtype=np.uint64)
-        self.order = np.argsort(addrs, kind="stable")
-        self.starts = addrs[self.order]
-        self.last = self.starts + (np.asarray(nbytes, dtype=np.uint64)[self.order] - np.uint64(1))
-
-    def __len__(self) -> int:
-        return int(self.starts.size)
-
-    def _inside(
-        self, addrs: np.ndarray, nbytes: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(position in the sorted table, mask of ranges held whole by that entry).
-
-        A position of -1 (below every range) indexes the last entry: harmless, masked.
-        """
-        addrs = np.asarray(addrs, dtype=np.uint64)
-        where = self.starts.searchsorted(addrs, side="right")
-        where -= 1
-        # A zero-length range would wrap below its start: it lies in none.
-        end = addrs if nbytes is None else addrs + (np.asarray(nbytes, dtype=np.uint64) - _ONE)
-        inside = end <= self.last[where]
-        inside &= end >= addrs
-        inside &= where >= 0
-        return where, inside
-
-    def locate(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> np.ndarray:
-        """Index (into the ranges as given) of the range holding each ``[addr, addr+nbytes)``.
-
-        -1 where none holds it whole, including a range that wraps past 2**64.
-        """
-        if not self.starts.size:
-            return np.full(np.shape(addrs), -1, dtype=np.int64)
-        where, inside = self._inside(addrs, nbytes)
-        out = self.order[where]
-        out[~inside] = -1
-        return out
-
-    def first_outside(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> int:
-        """Index of the first ``[addr, addr+nbytes)`` that no range holds whole, or -1."""
-        if not np.size(addrs):
-            return -1
-        if not self.starts.size:
-            return 0
-        _, inside = self._inside(addrs, nbytes)
-        return -1 if inside.all() else int(np.argmin(inside))
-
-    def nearest(self, addr: int) -> int:
-        """Index of the range starting at or below ``addr`` (else the lowest); -1 when empty."""
-        if not self.starts.size:
-            return -1
-        i = int(np.searchsorted(self.starts, np.uint64(addr), side="right")) - 1
-        return int(self.order[max(i, 0)])
-
-    def first_overlap(self) -> tuple[int, int] | None:
-        """Indices of two ranges that overlap, or None."""
-        clash = np.flatnonzero(self.last[:-1] >= self.starts[1:])
-        if not clash.size:
-            return None
-        return int(self.order[clash[0]]), int(self.order[clash[0] + 1])
 
 
 class Dropped(msgspec.Struct, frozen=True):

@@ -26,13 +26,13 @@ import pluggy
 
 from .arguments import expect
 from .backend import Backend
-from .driver import CONTRACT_VERSION, BackendSpec, Driver, hookimpl
+from .driver import CONTRACT_VERSION, BackendSpec, Driver
 from .errors import OptionError, PluginError, XferError
 from .options import DriverOptions, parse
 
 hookspec = pluggy.HookspecMarker("xferkit")
 
-__all__ = ["BackendInfo", "backends", "hookimpl", "open_backend"]
+__all__ = ["BackendInfo", "backends", "open_backend"]
 
 
 class BackendInfo(msgspec.Struct, frozen=True):
@@ -84,7 +84,7 @@ def _discover() -> tuple[_Found, ...]:
         if not pm.get_hookcallers(plugin):
             why = (
                 f"plugin {owner} ({ep.value}) registered no hook implementation: is its "
-                "register_backends decorated with @xferkit.hookimpl?"
+                "register_backends decorated with @xferkit.driver.hookimpl?"
             )
             found.append(_Found(BackendSpec(name=ep.name, target=ep.value), owner, version, why))
     for impl in pm.hook.register_backends.get_hookimpls():

@@ -26,8 +26,16 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 import numpy as np
 
-from xferkit import Descriptors, Manifest, Region
-from xferkit.driver import AddressTable, Capabilities, Driver, DriverOptions, Posted
+from xferkit.driver import (
+    AddressTable,
+    Capabilities,
+    Descriptors,
+    Driver,
+    DriverOptions,
+    Manifest,
+    Posted,
+    Region,
+)
 
 from .copy import allow_writers, copy_local, explain, start_time, write_remote
 from .faults import Faults

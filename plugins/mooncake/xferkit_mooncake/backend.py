@@ -21,8 +21,19 @@ from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 import msgspec
 import numpy as np
 
-from xferkit import Descriptors, Manifest, ProtocolError, Region, RegistrationError
-from xferkit.driver import Capabilities, Driver, DriverOptions, Posted, QueuedBatch, rdma_devices
+from xferkit.driver import (
+    Capabilities,
+    Descriptors,
+    Driver,
+    DriverOptions,
+    Manifest,
+    Posted,
+    ProtocolError,
+    QueuedBatch,
+    Region,
+    RegistrationError,
+    rdma_devices,
+)
 
 from . import engine as _engine
 from .codes import check, code_name, explain

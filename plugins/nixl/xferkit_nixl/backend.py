@@ -21,7 +21,6 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 import numpy as np
 
-from xferkit import Manifest, OptionError, PluginError, ProtocolError, Region
 from xferkit.driver import (
     AddressTable,
     Capabilities,
@@ -29,7 +28,12 @@ from xferkit.driver import (
     Done,
     Driver,
     DriverOptions,
+    Manifest,
+    OptionError,
+    PluginError,
     Posted,
+    ProtocolError,
+    Region,
     Status,
 )
 
