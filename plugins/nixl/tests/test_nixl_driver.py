@@ -32,6 +32,7 @@ from xferkit.testing.conformance import drain_until, require_backend
 from xferkit.testing.peer import PeerProcess, Setup
 from xferkit.testing.reference import RegionSpec
 from xferkit_nixl.backend import NixlDriver, NixlOptions
+from xferkit_nixl.memory import Kinds, memory_kind, split_by_kind
 from xferkit_nixl.ucx_env import apply_defaults, ucx_modules_default
 
 require_backend("nixl")
