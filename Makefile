@@ -33,13 +33,9 @@ test: install lint
 demo: install
 	$(BIN)/xferkit demo
 
+# Every benchmarks/bench_*.py, each writing benchmarks/results/<name>.json.
 bench: install
-	$(BIN)/python benchmarks/bench_expand.py
-	$(BIN)/python benchmarks/bench_loopback.py
-	$(BIN)/python benchmarks/bench_mooncake.py
-	$(BIN)/python benchmarks/bench_nixl.py
-	$(BIN)/python benchmarks/bench_registration.py
-	$(BIN)/python benchmarks/bench_session.py
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -8,8 +8,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .backend import Backend, Peer
 from .descriptors import Descriptors
-from .driver import Notification, Status, hookimpl
+from .driver import Notification, Status
 from .errors import (
+    ArgumentError,
     BoundsError,
     CapabilityError,
     ManifestError,
@@ -34,6 +35,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "PAGE_AXIS",
+    "ArgumentError",
     "Backend",
     "BackendInfo",
     "BoundsError",
@@ -66,7 +68,6 @@ __all__ = [
     "__version__",
     "backends",
     "coverage",
-    "hookimpl",
     "key_label",
     "open_backend",
     "plan",

@@ -24,6 +24,7 @@ from typing import Any, NoReturn, final
 import msgspec
 import numpy as np
 
+from .arguments import expect, seconds
 from .closing import Closing
 from .descriptors import Descriptors
 from .driver import CONTRACT_VERSION, Capabilities, Driver, Notification, Posted, Status
@@ -38,7 +39,7 @@ from .errors import (
     keep_first,
 )
 from .manifest import Manifest, Region
-from .transfer import Transfer, seconds
+from .transfer import Transfer
 
 log = logging.getLogger("xferkit")
 
@@ -82,8 +83,7 @@ class Backend(Closing):
     """
 
     def __init__(self, driver: Driver) -> None:
-        if not isinstance(driver, Driver):
-            raise CapabilityError(f"Backend needs a xferkit.driver.Driver, not {driver!r}")
+        expect(driver, Driver, "Backend()")
         caps = driver.capabilities
         if not isinstance(caps, Capabilities):
             raise CapabilityError(f"driver {driver!r} declares no Capabilities")
@@ -129,8 +129,7 @@ class Backend(Closing):
     def register(self, manifest: Manifest) -> None:
         """Register every region of ``manifest``, or none: on failure, roll back and raise."""
         self._check_open("register")
-        if not isinstance(manifest, Manifest):
-            raise RegistrationError(f"{self.name}: register() takes a Manifest, not {manifest!r}")
+        expect(manifest, Manifest, f"{self.name}: register()")
         if self._manifest is not None:
             raise RegistrationError(
                 f"{self.name}: a manifest is already registered; deregister() it first"
@@ -191,6 +190,10 @@ class Backend(Closing):
         released (the engine may still touch that memory): the error says so, the
         manifest stays registered, and a later call tries again.
         """
+        self._check_open("deregister")
+        self._deregister()
+
+    def _deregister(self) -> None:
         if self._manifest is None:
             return
         stuck = self._end_transfers(self._inflight, "the local memory is being deregistered")
@@ -239,10 +242,7 @@ class Backend(Closing):
     def connect(self, endpoint: bytes, manifest: Manifest) -> Peer:
         """Reach the backend behind ``endpoint``, which advertised ``manifest``."""
         self._check_open("connect")
-        if not isinstance(manifest, Manifest):
-            raise ProtocolError(
-                f"{self.name}: connect() needs the peer's Manifest, not {manifest!r}"
-            )
+        expect(manifest, Manifest, f"{self.name}: connect() (the peer's manifest)")
         env, blob = self._open_envelope(endpoint)
         name = f"{self.name}:{env.address}"
         raw = b"%d:" % env.generation + bytes(env.blob)  # what identifies the link
@@ -272,6 +272,7 @@ class Backend(Closing):
         return peer
 
     def _open_envelope(self, endpoint: object) -> tuple[Envelope, Any]:
+        expect(endpoint, (bytes, bytearray, memoryview), f"{self.name}: connect() (the endpoint)")
         env = open_envelope(endpoint, self.name)
         if env.backend != self.name or env.contract != CONTRACT_VERSION:
             raise ProtocolError(
@@ -294,8 +295,11 @@ class Backend(Closing):
 
     def disconnect(self, peer: Peer) -> None:
         """End the peer's transfers and forget it; the connection closes with its last peer."""
-        if not isinstance(peer, Peer):
-            raise TransferError(f"{self.name}: disconnect() takes a Peer, not {peer!r}")
+        self._check_open("disconnect")
+        expect(peer, Peer, f"{self.name}: disconnect()")
+        self._disconnect(peer)
+
+    def _disconnect(self, peer: Peer) -> None:
         with self._lock:
             if peer not in self._peers:
                 return
@@ -347,15 +351,10 @@ class Backend(Closing):
         """
         self._check_open("write")
         limit = None if timeout is None else seconds(timeout, "timeout")
-        if not isinstance(peer, Peer):
-            raise TransferError(f"{self.name}: write() needs a Peer from connect(), not {peer!r}")
-        if not isinstance(descs, Descriptors):
-            raise BoundsError(f"{self.name}: write() needs Descriptors, not {descs!r}")
+        expect(peer, Peer, f"{self.name}: write() (a Peer from connect())")
+        expect(descs, Descriptors, f"{self.name}: write()")
         if notify is not None:
-            if not isinstance(notify, bytes):
-                raise TransferError(
-                    f"{self.name}: a notification is bytes, not {type(notify).__name__}"
-                )
+            expect(notify, bytes, f"{self.name}: write() (the notification)")
             if not self.capabilities.notifications:
                 raise CapabilityError(f"{self.name} does not deliver notifications")
         if peer not in self._peers:
@@ -447,8 +446,8 @@ class Backend(Closing):
         self._closed = True
         self._finalizer.detach()
         first: XferError | None = self._end_transfers(self._inflight, "the backend was closed")
-        steps = [lambda p=p: self.disconnect(p) for p in list(self._peers)]
-        for step in (*steps, self.deregister, self._driver.close):
+        steps = [lambda p=p: self._disconnect(p) for p in list(self._peers)]
+        for step in (*steps, self._deregister, self._driver.close):
             try:
                 step()
             except Exception as exc:

@@ -16,20 +16,30 @@ transfer to a peer ended before ``disconnect``; every transfer ended before
 
 from __future__ import annotations
 
-import enum
-import os
-import queue
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar
 
 import msgspec
 import pluggy
 
+from .addresses import AddressTable
 from .descriptors import Descriptors
-from .manifest import AddressTable, Manifest, Region, parse_device
+from .errors import (
+    BoundsError,
+    CapabilityError,
+    OptionError,
+    PluginError,
+    ProtocolError,
+    RegistrationError,
+    TransferError,
+    XferError,
+)
+from .manifest import Manifest, Region, parse_device
+from .options import DriverOptions
+from .posted import Done, Posted, Status
+from .rdma import INFINIBAND, rdma_devices
+from .worker import BatchWorker, QueuedBatch
 
 CONTRACT_VERSION = 2
 """Bumped whenever the driver primitives change; plugins declare the one they implement."""
@@ -54,7 +64,6 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     its large-copy bandwidth over the local copier's (above 1 where the wire is faster)."""
 
     def __post_init__(self) -> None:
-        from .errors import OptionError
 
         if not self.memory or not self.memory <= {"cpu", "cuda"}:
             raise OptionError(f"capabilities: memory {sorted(self.memory)} not within cpu, cuda")
@@ -75,12 +84,6 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
                 raise OptionError(f"capabilities: {field} must be a bool")
 
 
-class Status(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
 class Notification(msgspec.Struct, frozen=True):
     """A message a peer attached to a write, delivered after that write's data.
 
@@ -92,60 +95,24 @@ class Notification(msgspec.Struct, frozen=True):
     message: bytes
 
 
-class Posted(ABC):
-    """A driver's handle on one posted batch (or notification).
-
-    ``poll`` and ``block`` may run in several threads at once, and concurrently
-    with ``release`` (an engine thread waits while ``close`` aborts): guard
-    shared state. After ``release``, ``poll`` keeps answering without touching
-    freed engine handles, and reports PENDING only while the engine may still
-    read or write the batch's memory.
-    """
-
-    @abstractmethod
-    def poll(self) -> Status:
-        """Progress check; must never block."""
-
-    @property
-    @abstractmethod
-    def error(self) -> str:
-        """The driver's own text for a FAILED batch."""
-
-    def release(self) -> None:  # noqa: B027 - optional hook
-        """Free driver resources; called once, after completion or to abort a pending batch."""
-
-    def block(self, timeout: float) -> None:
-        """Sleep until the batch may have progressed, at most ``timeout`` seconds.
-
-        Drivers that can block on completion override this; the default naps.
-        """
-        time.sleep(min(timeout, 5e-5))
-
-
-class Done(Posted):
-    """A batch that completed when it was posted (a synchronous engine call)."""
-
-    def poll(self) -> Status:
-        return Status.DONE
-
-    @property
-    def error(self) -> str:
-        return ""
-
-
 class Driver(ABC):
     """The primitives one transfer engine provides. Subclass, declare, implement.
 
     Declare ``name`` (the backend name), ``Blob`` (the msgspec Struct your
     endpoint carries: the core encodes it and decodes a peer's with it, so a
-    malformed one never reaches ``connect``) and set ``capabilities`` in
-    ``__init__``. ``address`` is this driver's identity towards peers (an agent
-    name, a segment): a peer's ``Peer.name`` and a receiver's
-    ``Notification.peer`` are ``f"{name}:{address}"``.
+    malformed one never reaches ``connect``) and ``Options`` (a ``DriverOptions``
+    Struct: the core validates them, see ``xferkit.options``), and set
+    ``capabilities`` in ``__init__``. ``address`` is this driver's identity
+    towards peers (an agent name, a segment): a peer's ``Peer.name`` and a
+    receiver's ``Notification.peer`` are ``f"{name}:{address}"``.
     """
 
     name: ClassVar[str]
     Blob: ClassVar[type[msgspec.Struct]]
+    Options: ClassVar[type[DriverOptions] | None] = None
+    """The driver's options (a ``DriverOptions`` Struct): ``open_backend`` validates the
+    caller's keywords through it and passes ``__init__`` the result. None: ``__init__``'s
+    keyword arguments are the options (their names checked, their values the driver's job)."""
     capabilities: Capabilities = Capabilities()
     address: str
 
@@ -232,122 +199,31 @@ class BackendSpec(msgspec.Struct, frozen=True, kw_only=True):
     probe: Callable[[], str | None] | None = None
 
 
-# -- asynchronous posts for engines whose batch call blocks ----------------------------
-
-
-class QueuedBatch(Posted):
-    """One batch waiting for, or run by, a ``BatchWorker``. Subclass to carry driver state.
-
-    ``descs`` is None for a notification sent alone.
-    """
-
-    __slots__ = ("_error", "_status", "cancelled", "descs", "finished", "notify")
-
-    def __init__(self, descs: Descriptors | None, notify: bytes | None) -> None:
-        self.descs, self.notify = descs, notify
-        self._status = Status.PENDING
-        self._error = ""
-        self.cancelled = False
-        self.finished = threading.Event()
-
-    def poll(self) -> Status:
-        return self._status
-
-    @property
-    def error(self) -> str:
-        return self._error
-
-    def block(self, timeout: float) -> None:
-        self.finished.wait(timeout)
-
-    def release(self) -> None:
-        """A batch still queued is dropped; one already running finishes."""
-        self.cancelled = True
-
-    def end(self, error: str | None = None) -> None:
-        """Record the outcome (None: done) and wake whoever waits."""
-        if error is None:
-            self._status = Status.DONE
-        else:
-            self._error, self._status = error, Status.FAILED
-        self.finished.set()
-
-
-B = TypeVar("B", bound="QueuedBatch")
-
-
-class BatchWorker(Generic[B]):
-    """A daemon thread running ``execute(batch) -> error text or None`` for each posted batch."""
-
-    def __init__(self, execute: Callable[[B], str | None], name: str) -> None:
-        self._execute = execute
-        self._queue: queue.SimpleQueue[B | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def post(self, batch: B) -> None:
-        self._queue.put(batch)
-
-    def stop(self) -> None:
-        """Run what is queued, then end the thread."""
-        self._queue.put(None)
-
-    def join(self, timeout: float) -> bool:
-        """Wait for the thread to end; False if it is still running after ``timeout``."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self) -> None:
-        while (batch := self._queue.get()) is not None:
-            if batch.cancelled:
-                batch.end("aborted before it ran")
-                continue
-            try:
-                batch.end(self._execute(batch))
-            except Exception as exc:  # never let the worker die silently
-                batch.end(f"driver worker error: {type(exc).__name__}: {exc}")
-
-
-# -- helpers several drivers need ------------------------------------------------
-
-INFINIBAND = "/sys/class/infiniband"
-
-
-def rdma_devices(root: str = INFINIBAND) -> dict[str, str]:
-    """RDMA devices the kernel exposes, by name, with their kernel driver ("" when unknown)."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return {}
-    out = {}
-    for name in names:
-        try:
-            out[name] = os.path.basename(os.readlink(os.path.join(root, name, "device", "driver")))
-        except OSError:
-            out[name] = ""
-    return out
-
-
 __all__ = [
     "CONTRACT_VERSION",
     "INFINIBAND",
     "AddressTable",
     "BackendSpec",
     "BatchWorker",
+    "BoundsError",
     "Capabilities",
+    "CapabilityError",
     "Descriptors",
     "Done",
     "Driver",
+    "DriverOptions",
     "Manifest",
     "Notification",
+    "OptionError",
+    "PluginError",
     "Posted",
+    "ProtocolError",
     "QueuedBatch",
     "Region",
+    "RegistrationError",
     "Status",
+    "TransferError",
+    "XferError",
     "hookimpl",
     "parse_device",
     "rdma_devices",

@@ -2,6 +2,24 @@
 
 Every message names the object at fault (a region key, a pool, a peer) so that
 a log line alone is enough to find it; a driver's own text is kept verbatim.
+A programming mistake (an argument of the wrong type) is an ``ArgumentError``,
+never a domain error, so code catching ``BoundsError`` for a descriptor out of
+bounds does not also catch a ``write(peer, None)``::
+
+    XferError
+    |-- ArgumentError (also TypeError)  an argument of the wrong type
+    |-- ManifestError                   a region or manifest breaking an invariant
+    |-- PlanError                       manifests that cannot pair, a request a plan refuses
+    |-- RegistrationError               a driver refused memory; nothing stays registered
+    |-- BoundsError                     a descriptor outside registered / advertised memory
+    |-- TransferError                   a posted write failed (the driver's own text)
+    |-- ProtocolError                   a malformed or unexpected message from a peer
+    |-- CapabilityError                 a request the backend declared it cannot serve
+    `-- PluginError                     a plugin that cannot be found, loaded or trusted
+        `-- OptionError                 a backend option unknown, ill-typed or out of range
+
+``subject`` is the culprit in one form per kind: a region's key tuple, a
+pool's name, a peer's name, a descriptor's index, a backend's name.
 """
 
 from __future__ import annotations
@@ -39,6 +57,14 @@ def keep_first(first: XferError | None, later: XferError) -> XferError:
         return later
     first.attach(later)
     return first
+
+
+class ArgumentError(XferError, TypeError):
+    """An argument of the wrong type: a programming mistake, not a state of the world.
+
+    A ``TypeError`` too (as msgspec's ``DecodeError`` is a ``ValueError``), so
+    code that treats misuse the Python way catches it without knowing xferkit.
+    """
 
 
 class ManifestError(XferError):

@@ -18,9 +18,11 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
-from .errors import ManifestError
+from .addresses import AddressTable
+from .arguments import expect
+from .arrays import describe
+from .errors import ArgumentError, ManifestError
 from .sharding import AxisLayout, axis_layout
 
 RegionKey = tuple[str, str, int, int]
@@ -136,9 +138,9 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         reports (needed for ``__cuda_array_interface__`` objects, which do not
         say which GPU they live on).
         """
-        label = key_label((pool, name, layer, part))
-        addr, shape, itemsize, contiguous, found_device = _describe(array, label)
         subject = (pool, name, layer, part)
+        label = key_label(subject)
+        addr, shape, itemsize, contiguous, found_device = describe(array, subject, label)
         if not contiguous:
             raise ManifestError(
                 f"region {label}: the array is not contiguous; register a contiguous "
@@ -158,24 +160,32 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             itemsize=itemsize,
             device=device or found_device,
             tp_axis=tp_axis,
-            tp_groups=_int_tuple(tp_groups, label, "tp_groups") if tp_groups is not None else None,
+            tp_groups=_int_tuple(tp_groups, subject, "tp_groups")
+            if tp_groups is not None
+            else None,
             tp_global=tp_global,
-            axes=_str_tuple(axes, label) if axes is not None else None,
+            axes=_str_tuple(axes, subject) if axes is not None else None,
         )
         region.__dict__["_owner"] = array  # not encoded: it only keeps the memory alive
         return region
 
 
-def _int_tuple(value: Any, label: str, field: str) -> tuple[int, ...]:
+def _int_tuple(value: Any, key: RegionKey, field: str) -> tuple[int, ...]:
     # Ordered only: a set's order changes with the hash seed, and these name positions.
     if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
-        raise ManifestError(f"region {label}: {field} must be a sequence of ints, not {value!r}")
+        raise ManifestError(
+            f"region {key_label(key)}: {field} must be a sequence of ints, not {value!r}",
+            subject=key,
+        )
     return tuple(value)
 
 
-def _str_tuple(value: Any, label: str) -> tuple[str, ...]:
+def _str_tuple(value: Any, key: RegionKey) -> tuple[str, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise ManifestError(f"region {label}: axes must be a sequence of names, not {value!r}")
+        raise ManifestError(
+            f"region {key_label(key)}: axes must be a sequence of names, not {value!r}",
+            subject=key,
+        )
     return tuple(value)
 
 
@@ -200,7 +210,7 @@ def _check_types(r: Region) -> None:
         value = getattr(r, field)
         return ManifestError(
             f"region {label}: {field} must be {want}, not {type(value).__name__} {value!r}",
-            subject=label,
+            subject=r.key,
         )
 
     for field in _STR_FIELDS:
@@ -232,140 +242,6 @@ def _check_types(r: Region) -> None:
         if not isinstance(r.axes, tuple | list) or not all(type(a) is str for a in r.axes):
             raise bad("axes", "a tuple of str")
         msgspec.structs.force_setattr(r, "axes", tuple(r.axes))
-
-
-def _describe(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
-    """(address, shape, itemsize, C-contiguous, device) of a writable tensor-like object."""
-    try:
-        return _interface(array, label)
-    except ManifestError:
-        raise
-    except Exception as exc:  # a malformed interface dict, a shape that is not ints...
-        raise ManifestError(
-            f"region {label}: cannot describe {type(array).__name__}: {type(exc).__name__}: {exc}",
-            subject=label,
-        ) from exc
-
-
-def _interface(array: Any, label: str) -> tuple[int, tuple[int, ...], int, bool, str]:
-    if hasattr(array, "data_ptr") and hasattr(array, "element_size"):  # torch.Tensor
-        return (
-            int(array.data_ptr()),
-            tuple(int(n) for n in array.shape),
-            int(array.element_size()),
-            bool(array.is_contiguous()),
-            str(array.device),
-        )
-    for attr, device in (("__cuda_array_interface__", "cuda:0"), ("__array_interface__", "cpu")):
-        face = getattr(array, attr, None)
-        if face is None:
-            continue
-        dtype = np.dtype(face["typestr"])
-        if dtype.hasobject:
-            raise ManifestError(
-                f"region {label}: dtype {dtype} holds Python object pointers; a transfer "
-                "would overwrite them",
-                subject=label,
-            )
-        ptr, readonly = face["data"]
-        if readonly:
-            raise ManifestError(
-                f"region {label}: the array is read-only; peers write into registered memory",
-                subject=label,
-            )
-        shape = tuple(int(n) for n in face["shape"])
-        strides = face.get("strides")
-        contiguous = strides is None or all(
-            n == 1 or s == c
-            for n, s, c in zip(shape, strides, _c_strides(shape, dtype.itemsize), strict=True)
-        )
-        return int(ptr or 0), shape, dtype.itemsize, contiguous, device
-    raise ManifestError(
-        f"region {label}: {type(array).__name__} is neither a torch tensor nor exposes "
-        "__array_interface__ / __cuda_array_interface__",
-        subject=label,
-    )
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
-    out, step = [], itemsize
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return out[::-1]
-
-
-_ONE = np.uint64(1)
-
-
-class AddressTable:
-    """Disjoint address ranges, sorted once, looked up vectorized in O(n log ranges).
-
-    Ends are kept inclusive (the last byte), so a range ending at 2**64 never wraps.
-    """
-
-    __slots__ = ("last", "order", "starts")
-
-    def __init__(self, addrs: npt.ArrayLike, nbytes: npt.ArrayLike) -> None:
-        addrs = np.asarray(addrs, dtype=np.uint64)
-        self.order = np.argsort(addrs, kind="stable")
-        self.starts = addrs[self.order]
-        self.last = self.starts + (np.asarray(nbytes, dtype=np.uint64)[self.order] - np.uint64(1))
-
-    def __len__(self) -> int:
-        return int(self.starts.size)
-
-    def _inside(
-        self, addrs: np.ndarray, nbytes: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(position in the sorted table, mask of ranges held whole by that entry).
-
-        A position of -1 (below every range) indexes the last entry: harmless, masked.
-        """
-        addrs = np.asarray(addrs, dtype=np.uint64)
-        where = self.starts.searchsorted(addrs, side="right")
-        where -= 1
-        # A zero-length range would wrap below its start: it lies in none.
-        end = addrs if nbytes is None else addrs + (np.asarray(nbytes, dtype=np.uint64) - _ONE)
-        inside = end <= self.last[where]
-        inside &= end >= addrs
-        inside &= where >= 0
-        return where, inside
-
-    def locate(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> np.ndarray:
-        """Index (into the ranges as given) of the range holding each ``[addr, addr+nbytes)``.
-
-        -1 where none holds it whole, including a range that wraps past 2**64.
-        """
-        if not self.starts.size:
-            return np.full(np.shape(addrs), -1, dtype=np.int64)
-        where, inside = self._inside(addrs, nbytes)
-        out = self.order[where]
-        out[~inside] = -1
-        return out
-
-    def first_outside(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> int:
-        """Index of the first ``[addr, addr+nbytes)`` that no range holds whole, or -1."""
-        if not np.size(addrs):
-            return -1
-        if not self.starts.size:
-            return 0
-        _, inside = self._inside(addrs, nbytes)
-        return -1 if inside.all() else int(np.argmin(inside))
-
-    def nearest(self, addr: int) -> int:
-        """Index of the range starting at or below ``addr`` (else the lowest); -1 when empty."""
-        if not self.starts.size:
-            return -1
-        i = int(np.searchsorted(self.starts, np.uint64(addr), side="right")) - 1
-        return int(self.order[max(i, 0)])
-
-    def first_overlap(self) -> tuple[int, int] | None:
-        """Indices of two ranges that overlap, or None."""
-        clash = np.flatnonzero(self.last[:-1] >= self.starts[1:])
-        if not clash.size:
-            return None
-        return int(self.order[clash[0]]), int(self.order[clash[0] + 1])
 
 
 class Dropped(msgspec.Struct, frozen=True):
@@ -414,12 +290,11 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
     def build(cls, regions: Iterable[Region], *, tp_rank: int = 0, tp_size: int = 1) -> Manifest:
         """Drop empty regions (recording why), then validate everything else."""
         if isinstance(regions, str | bytes | Region) or not isinstance(regions, Iterable):
-            raise ManifestError(f"Manifest.build takes an iterable of Regions, not {regions!r}")
+            raise ArgumentError(f"Manifest.build takes an iterable of Regions, not {regions!r}")
         kept: list[Region] = []
         dropped: list[Dropped] = []
         for region in regions:
-            if not isinstance(region, Region):
-                raise ManifestError(f"Manifest.build takes Regions, not {region!r}")
+            expect(region, Region, "Manifest.build")
             reason = _empty_reason(region)
             if reason is None:
                 kept.append(region)
@@ -505,8 +380,7 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
 
     @classmethod
     def decode(cls, data: bytes) -> Manifest:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise ManifestError(f"a manifest is msgpack bytes, not {type(data).__name__}")
+        expect(data, (bytes, bytearray, memoryview), "Manifest.decode")
         try:
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too

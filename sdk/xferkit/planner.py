@@ -19,8 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .arguments import expect
 from .descriptors import Descriptors
-from .errors import PlanError
+from .errors import ArgumentError, PlanError
 from .manifest import PAGE_AXIS, STAGING_POOL, Manifest, Region, RegionKey, key_label
 from .sharding import AxisLayout, Segment, axis_layout
 
@@ -159,8 +160,7 @@ class Plan:
         holds four source slots' tokens (``Region.axes``), ``(1, 1)`` when slots pair one to
         one; None when no region of ``pool`` pairs here (another stage's, or all dropped), so
         nothing of it moves between these two ranks."""
-        if not isinstance(pool, str):
-            raise PlanError(f"a pool is named by a str, not {pool!r}")
+        expect(pool, str, "Plan.pages() (a pool name)")
         return self._pages.get(pool)
 
     def describe(self, key: RegionKey) -> str:
@@ -174,8 +174,7 @@ class Plan:
         Pools of the plan absent from ``request`` are not transferred. Every input
         is checked before anything is produced.
         """
-        if not isinstance(request, Mapping):
-            raise PlanError(f"a request maps pool -> (src_slots, dst_slots), not {request!r}")
+        expect(request, Mapping, "Plan.expand() (pool -> (src_slots, dst_slots))")
         requests = {pool: self._slot_runs(pool, pair) for pool, pair in request.items()}
         return self._expand(requests, self._groups)
 
@@ -376,8 +375,7 @@ def plan(src: Manifest, dst: Manifest) -> Plan:
     pipeline stage and is skipped.
     """
     for side, m in (("source", src), ("destination", dst)):
-        if not isinstance(m, Manifest):
-            raise PlanError(f"plan(src, dst): the {side} must be a Manifest, not {m!r}")
+        expect(m, Manifest, f"plan(src, dst) (the {side})")
     _check_one_sided(src, dst, "source", "destination")
     _check_one_sided(dst, src, "destination", "source")
     buckets: dict[tuple, list[tuple[Region, Region]]] = {}
@@ -723,7 +721,9 @@ def coverage(srcs: Sequence[Manifest], dst: Manifest) -> Coverage:
         or not all(isinstance(m, Manifest) for m in srcs)
         or not isinstance(dst, Manifest)
     ):
-        raise PlanError("coverage(srcs, dst) takes a sequence of source Manifests and one Manifest")
+        raise ArgumentError(
+            "coverage(srcs, dst) takes a sequence of source Manifests and one Manifest"
+        )
     plans = {i: plan(m, dst) for i, m in enumerate(srcs)}
     for r in dst.regions:
         if r.pool == STAGING_POOL:

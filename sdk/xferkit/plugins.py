@@ -24,13 +24,15 @@ from typing import Any, NamedTuple
 import msgspec
 import pluggy
 
+from .arguments import expect
 from .backend import Backend
-from .driver import CONTRACT_VERSION, BackendSpec, Driver, hookimpl
+from .driver import CONTRACT_VERSION, BackendSpec, Driver
 from .errors import OptionError, PluginError, XferError
+from .options import DriverOptions, parse
 
 hookspec = pluggy.HookspecMarker("xferkit")
 
-__all__ = ["BackendInfo", "backends", "hookimpl", "open_backend"]
+__all__ = ["BackendInfo", "backends", "open_backend"]
 
 
 class BackendInfo(msgspec.Struct, frozen=True):
@@ -82,7 +84,7 @@ def _discover() -> tuple[_Found, ...]:
         if not pm.get_hookcallers(plugin):
             why = (
                 f"plugin {owner} ({ep.value}) registered no hook implementation: is its "
-                "register_backends decorated with @xferkit.hookimpl?"
+                "register_backends decorated with @xferkit.driver.hookimpl?"
             )
             found.append(_Found(BackendSpec(name=ep.name, target=ep.value), owner, version, why))
     for impl in pm.hook.register_backends.get_hookimpls():
@@ -160,6 +162,15 @@ def _load(f: _Found) -> type[Driver]:
             f"backend {name!r} ({dist}): {spec.target} is not a xferkit.driver.Driver subclass",
             subject=name,
         )
+    declared = getattr(cls, "Options", None)
+    if declared is not None and not (
+        isinstance(declared, type) and issubclass(declared, DriverOptions)
+    ):
+        raise PluginError(
+            f"backend {name!r} ({dist}): {spec.target}.Options is not a "
+            "xferkit.options.DriverOptions subclass",
+            subject=name,
+        )
     if getattr(cls, "name", None) != name:
         raise PluginError(
             f"backend {name!r} ({dist}): {spec.target} names itself "
@@ -170,12 +181,13 @@ def _load(f: _Found) -> type[Driver]:
 
 
 def open_backend(name: str, **options: Any) -> Backend:
-    """A ready backend by name; ``options`` go to the driver's constructor.
+    """A ready backend by name, with ``options`` for its driver.
 
-    An unknown or ill-typed option is an ``OptionError`` for every driver.
+    A driver declaring ``Options`` (every in-tree one) gets them validated here:
+    an unknown, ill-typed or out-of-range option is an ``OptionError`` naming it.
+    For a driver without, unknown names are refused and the values are its job.
     """
-    if not isinstance(name, str):
-        raise PluginError(f"a backend name is a str, not {name!r}", subject=name)
+    expect(name, str, "open_backend() (a backend name)")
     matches = [f for f in _discover() if f.spec.name == name]
     if not matches:
         known = sorted({f.spec.name for f in _discover()})
@@ -187,12 +199,17 @@ def open_backend(name: str, **options: Any) -> Backend:
             f"backend {name!r} ({found.dist}) is not usable here: {reason}", subject=name
         )
     cls = _load(found)
+    declared = cls.Options
+    args: tuple[Any, ...] = ()
+    if declared is not None:  # validated once, here, for every driver that declares them
+        args, options = (parse(name, declared, options),), {}
+    else:
+        try:
+            inspect.signature(cls).bind(**options)
+        except TypeError as exc:  # an unknown keyword, or a missing one
+            raise OptionError(f"backend {name!r}: bad options {sorted(options)}: {exc}") from exc
     try:
-        inspect.signature(cls).bind(**options)
-    except TypeError as exc:  # an unknown keyword, or a missing one
-        raise OptionError(f"backend {name!r}: bad options {sorted(options)}: {exc}") from exc
-    try:
-        driver = cls(**options)
+        driver = cls(*args, **options)
     except XferError:
         raise
     except Exception as exc:

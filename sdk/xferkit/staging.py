@@ -28,9 +28,10 @@ from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 
+from .arguments import expect
 from .descriptors import Descriptors
 from .errors import PlanError
-from .manifest import RegionKey
+from .manifest import RegionKey, key_label
 from .planner import Pairs, Pieces, Plan, _Group
 
 Path = Literal["direct", "pack", "unpack", "both"]
@@ -171,8 +172,7 @@ class StagedPlan:
         ``PlanError`` naming its region. ``direct=False`` leaves the direct
         descriptors out: the unpacking side needs only the rounds.
         """
-        if not isinstance(request, Mapping):
-            raise PlanError(f"a request maps pool -> (src_slots, dst_slots), not {request!r}")
+        expect(request, Mapping, "StagedPlan.expand() (pool -> (src_slots, dst_slots))")
         for name, cap in (("src_capacity", src_capacity), ("dst_capacity", dst_capacity)):
             if type(cap) is not int or cap < 0:
                 raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
@@ -199,7 +199,7 @@ class StagedPlan:
                 if used and s.unit > cap:
                     raise PlanError(
                         f"{side} staging of {cap} bytes cannot hold one slot of region group "
-                        f"{s.group.keys[0]} ({s.unit} bytes, route {s.path})",
+                        f"{key_label(s.group.keys[0])} ({s.unit} bytes, route {s.path})",
                         subject=s.group.keys[0],
                     )
         return StagedRequest(on_wire, _rounds(parts, src_capacity, dst_capacity))
@@ -392,8 +392,7 @@ def stage(
     pins a path for every group (``"staged"``: the cheapest one that is not
     direct; a path a group's pieces cannot take falls back to ``"both"``).
     """
-    if not isinstance(plan, Plan):
-        raise PlanError(f"stage(plan, ...) takes a Plan, not {plan!r}")
+    expect(plan, Plan, "stage(plan, ...)")
     if type(descriptor_bytes) is not int or descriptor_bytes < 0:
         raise PlanError(f"descriptor_bytes must be an int >= 0, not {descriptor_bytes!r}")
     if type(copy_cost) not in (int, float) or not 0 < copy_cost < 1e6:

@@ -1,20 +1,28 @@
 """One asynchronous write as the engine sees it: split into driver batches, notified last.
 
-Large descriptor sets go out in several driver batches; the notification
-rides on the last batch, posted only once every other batch is done, so the
-peer never sees it before the data. That last batch is posted by ``poll`` (or
+Large descriptor sets go out in several driver batches. With a notification,
+it rides on the last batch, posted only once every other batch is done, so the
+peer never sees it before the data; that last batch is posted by ``poll`` (or
 ``wait``): a split write progresses while its sender polls it, as an engine
-does anyway to learn when the source memory is free again.
+does anyway to learn when the source memory is free again. Without one,
+nothing is ordered and every batch goes out at once.
+
+A transfer moves through explicit phases (h11's way: one state, named):
+``SENDING`` (batches out or held back), ``FAILING`` (an error is set and the
+driver still holds a batch), then ``DONE`` or ``FAILED``. ``Status`` is
+derived from the phase: both live phases read ``PENDING``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .arguments import seconds
 from .descriptors import Descriptors
 from .driver import Posted, Status
 from .errors import TransferError, XferError
@@ -26,6 +34,24 @@ log = logging.getLogger("xferkit")
 
 Post = Callable[[Descriptors | None, bytes | None], Posted]
 """Posts one batch (None: the notification alone) to the transfer's peer."""
+
+
+class Phase(enum.Enum):
+    SENDING = "sending"
+    """Batches are out (or the notified last one is held back); none failed."""
+    FAILING = "failing"
+    """``error`` is set, nothing more is posted; the driver still holds a batch."""
+    DONE = "done"
+    FAILED = "failed"
+
+
+STATUS = {
+    Phase.SENDING: Status.PENDING,
+    Phase.FAILING: Status.PENDING,
+    Phase.DONE: Status.DONE,
+    Phase.FAILED: Status.FAILED,
+}
+"""What each phase reads as to an engine."""
 
 
 class Transfer:
@@ -58,8 +84,9 @@ class Transfer:
             self._waiting.append(None)  # the notification alone
         self._notify = notify
         self._posted: list[Posted] = []
+        self._running: list[Posted] = []  # posted, not yet seen DONE
         self._released = 0  # posted[:released] were released
-        self._status = Status.PENDING
+        self._phase = Phase.SENDING
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._lock = threading.RLock()
@@ -68,18 +95,24 @@ class Transfer:
             self._advance()
 
     @property
-    def descriptors(self) -> int:
+    def count(self) -> int:
+        """How many descriptors the write moves (``descs`` holds them)."""
         return len(self.descs)
 
     @property
     def nbytes(self) -> int:
         return self.descs.total_bytes
 
+    @property
+    def phase(self) -> Phase:
+        """Where the write is: ``Status`` is derived from it (``poll`` advances it)."""
+        return self._phase
+
     def poll(self) -> Status:
-        if self._status is Status.PENDING:
+        if self._phase is Phase.SENDING or self._phase is Phase.FAILING:
             with self._lock:
                 self._advance()
-        return self._status
+        return STATUS[self._phase]
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until terminal; raise the root-cause ``TransferError`` if it failed.
@@ -112,7 +145,7 @@ class Transfer:
         """
         limit = time.monotonic() + seconds(timeout, "timeout")
         with self._lock:
-            if self._status is Status.PENDING and self.error is None:
+            if self._phase is Phase.SENDING:
                 self._fail(why)
         if not wait:
             self.poll()
@@ -136,7 +169,7 @@ class Transfer:
 
     def _post_next(self, batch: Descriptors | None, notify: bytes | None) -> None:
         try:
-            self._posted.append(self._post(batch, notify))
+            posted = self._post(batch, notify)
         except Exception as exc:  # the driver refused the post itself
             what = "the notification" if batch is None else f"{len(batch)} descriptors"
             refusal = f"posting {what} failed: {exc}"
@@ -145,42 +178,49 @@ class Transfer:
                 self._fail(refusal, exc)
             else:  # an earlier batch failed first: the refusal is its consequence
                 self._fail(earlier.error, later=TransferError(refusal, subject=self.peer.name))
+            return
+        self._posted.append(posted)
+        self._running.append(posted)
 
     def _advance(self) -> None:
-        if self._status is not Status.PENDING:
-            return
-        if self.error is not None:  # failing: terminal once the driver let go of every batch
-            if all(p.poll() is not Status.PENDING for p in self._posted):
-                self._end(Status.FAILED)
-            return
-        if not self._waiting and self._posted and self._posted[-1].poll() is Status.PENDING:
-            # Everything is out, so every batch but the last was done before it went: only
-            # the last can be running (the common case of a poll; no need to look at the rest).
-            self._check_deadline()
-            return
-        # All but the last batch go out at once; the last (with the notification) waits.
-        while len(self._waiting) > 1:
+        if self._phase is Phase.SENDING:
+            self._send()
+        if self._phase is Phase.FAILING and all(
+            p.poll() is not Status.PENDING for p in self._posted
+        ):
+            self._end(Phase.FAILED)
+
+    def _send(self) -> None:
+        """Post what may go, collect what ended; DONE once every batch is (SENDING only)."""
+        # Held back: the last batch when a notification rides on it; else nothing.
+        held = 1 if self._notify is not None else 0
+        while len(self._waiting) > held:
             self._post_next(self._waiting.pop(0), None)
-            if self.error is not None:
-                return self._advance()
-        states = [p.poll() for p in self._posted]
-        for p, st in zip(self._posted, states, strict=True):
-            if st is Status.FAILED:
-                self._fail(p.error)
-                return self._advance()
-        if all(st is Status.DONE for st in states):
-            if self._waiting:
-                self._post_next(self._waiting.pop(), self._notify)
-                return self._advance()
-            self._release_all()
-            self._end(Status.DONE)
-            return
+            if self._phase is not Phase.SENDING:
+                return
+        while True:
+            states = [p.poll() for p in self._running]
+            pairs = list(zip(self._running, states, strict=True))
+            failed = next((p for p, st in pairs if st is Status.FAILED), None)
+            if failed is not None:
+                self._fail(failed.error)
+                return
+            self._running = [p for p, st in pairs if st is Status.PENDING]
+            if self._running:
+                break
+            if not self._waiting:  # every batch posted and done
+                self._release_all()
+                self._end(Phase.DONE)
+                return
+            # Every other batch is done: the notified last one may go (and may be done at once).
+            self._post_next(self._waiting.pop(), self._notify)
+            if self._phase is not Phase.SENDING:
+                return
         self._check_deadline()
 
     def _check_deadline(self) -> None:
         if self._deadline is not None and time.monotonic() > self._deadline:
             self._fail(f"timed out: not done {self._timeout} s after it was posted")
-            self._advance()
 
     def _fail(
         self, text: str, cause: BaseException | None = None, later: XferError | None = None
@@ -197,6 +237,7 @@ class Transfer:
         if later is not None:
             self.error.attach(later)
         self._waiting.clear()
+        self._phase = Phase.FAILING
         self._release_all()
 
     def _release_all(self) -> None:
@@ -210,13 +251,15 @@ class Transfer:
                     log.warning("%s: releasing a completed batch failed: %s", self.peer.name, exc)
         self._released = len(self._posted)
 
-    def _end(self, status: Status) -> None:
-        self._status = status
+    def _end(self, phase: Phase) -> None:
+        self._phase = phase
         self._on_end(self)
 
 
-def seconds(value: object, what: str) -> float:
-    """A caller's duration, checked: a bool, a string or a negative number is an error."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise XferError(f"{what} must be a number of seconds >= 0, not {value!r}")
-    return float(value)
+__all__ = [
+    "STATUS",
+    "Phase",
+    "Post",
+    "Transfer",
+    "seconds",
+]  # seconds: re-exported for older imports

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mock_pairs import WAIT_S, buffer, descs, manifest, mock_pair, posted
 
-from xferkit import Backend, BoundsError, Descriptors
+from xferkit import ArgumentError, Backend, BoundsError, Descriptors
 from xferkit.testing.mock import MockDriver
 
 
@@ -55,7 +55,7 @@ def test_malformed_descriptor_arrays_are_bounds_errors() -> None:
         for d in bad:
             with pytest.raises(BoundsError, match="uint64"):
                 pair.a.write(pair.peer, d)
-        with pytest.raises(BoundsError, match="needs Descriptors"):
+        with pytest.raises(ArgumentError, match="takes a Descriptors"):
             pair.a.write(pair.peer, (good.src, good.dst, good.nbytes))  # type: ignore[arg-type]
         assert posted(pair.a) == []
 

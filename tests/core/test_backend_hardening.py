@@ -14,7 +14,7 @@ import pytest
 from mock_pairs import WAIT_S, descs, manifest, mock_pair, posted
 
 import xferkit as xk
-from xferkit import Backend, BoundsError, Status, TransferError, XferError
+from xferkit import ArgumentError, Backend, BoundsError, Status, TransferError, XferError
 from xferkit.testing import Reference, RegionSpec
 from xferkit.testing.mock import STALL, Call, MockDriver
 
@@ -75,7 +75,7 @@ def test_a_notification_must_be_bytes(note: Any) -> None:
     """Before: a str notification ended DONE and then made the receiver raise."""
     with mock_pair() as p:
         d, _ = p.descs(1, 16)
-        with pytest.raises(TransferError, match="bytes"):
+        with pytest.raises(ArgumentError, match="bytes"):
             p.a.write(p.peer, d, notify=note)
         assert posted(p.a) == []
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from mock_pairs import WAIT_S, drain, mock_pair, posted
 
-from xferkit import CapabilityError, TransferError, XferError
+from xferkit import ArgumentError, CapabilityError, TransferError, XferError
 from xferkit.testing.mock import Call
 
 
@@ -72,7 +72,7 @@ def test_notify_without_the_capability_is_refused_before_posting() -> None:
 
 def test_a_notification_is_bytes() -> None:
     with mock_pair(notifications=True) as pair:
-        with pytest.raises(TransferError, match="bytes, not str"):
+        with pytest.raises(ArgumentError, match="bytes, not str"):
             pair.a.write(pair.peer, pair.descs(1, 8)[0], notify="done")  # type: ignore[arg-type]
         assert posted(pair.a) == []
 

@@ -11,6 +11,7 @@ import pytest
 from mock_pairs import buffer, descs, forged, manifest, mock, mock_pair, posted
 
 from xferkit import (
+    ArgumentError,
     Backend,
     CapabilityError,
     ProtocolError,
@@ -53,14 +54,14 @@ def test_malformed_or_foreign_endpoints_are_protocol_errors() -> None:
             a.connect(b"certainly not an endpoint", m)
         with pytest.raises(ProtocolError, match="malformed"):
             a.connect(msgspec.msgpack.encode({"backend": "mock"}), m)
-        with pytest.raises(ProtocolError, match="bytes, not str"):
+        with pytest.raises(ArgumentError, match="not str"):
             a.connect(good.decode("latin-1"), m)  # type: ignore[arg-type]
         with pytest.raises(ProtocolError) as info:
             a.connect(forged(good, backend="loopback"), m)
         assert "mock" in str(info.value) and "loopback" in str(info.value)
         with pytest.raises(ProtocolError, match=f"contract {CONTRACT_VERSION + 1}"):
             a.connect(forged(good, contract=CONTRACT_VERSION + 1), m)
-        with pytest.raises(ProtocolError, match="needs the peer's Manifest"):
+        with pytest.raises(ArgumentError, match="the peer's manifest"):
             a.connect(good, None)  # type: ignore[arg-type]
         assert len(pair.driver.of("connect")) == 1  # only the pair's own connect
 
@@ -217,7 +218,7 @@ def test_writes_to_peers_this_backend_does_not_hold_are_refused() -> None:
         copies, _ = pair.descs(1, 64)
         with pytest.raises(TransferError, match="not connected"):
             pair.a.write(third.peer, copies)  # another backend's peer
-        with pytest.raises(TransferError, match="needs a Peer"):
+        with pytest.raises(ArgumentError, match="takes a Peer"):
             pair.a.write("mock:x", copies)  # type: ignore[arg-type]
         pair.a.disconnect(pair.peer)
         with pytest.raises(XferError, match="not connected"):

@@ -9,6 +9,7 @@ import pytest
 from mock_pairs import buffer, manifest, mock, mock_pair
 
 from xferkit import (
+    ArgumentError,
     Backend,
     CapabilityError,
     Manifest,
@@ -209,7 +210,7 @@ def test_a_second_manifest_or_a_non_manifest_is_refused() -> None:
     m = manifest([buffer(64, 1)], "r")
     driver = MockDriver()
     with Backend(driver) as b:
-        with pytest.raises(RegistrationError, match="takes a Manifest"):
+        with pytest.raises(ArgumentError, match="takes a Manifest"):
             b.register([m])  # type: ignore[arg-type]
         b.register(m)
         with pytest.raises(RegistrationError, match="already registered"):

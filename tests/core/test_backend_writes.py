@@ -71,7 +71,7 @@ def test_an_empty_write_posts_nothing_and_is_done() -> None:
     with mock_pair() as pair:
         t = pair.a.write(pair.peer, Descriptors.empty())
         assert t.poll() is Status.DONE and t.error is None
-        assert t.descriptors == 0 and t.nbytes == 0
+        assert t.count == 0 and t.nbytes == 0
         assert posted(pair.a) == []
 
 
@@ -108,8 +108,8 @@ def test_later_failures_are_attached_not_substituted() -> None:
             f"failure of post #{call.count}" if call.op == "post" and call.count in (2, 3) else None
         )
 
-    with mock_pair(handler, max_batch=2) as pair:
-        t = pair.a.write(pair.peer, pair.descs(10, 256)[0])
+    with mock_pair(handler, max_batch=2, notifications=True) as pair:
+        t = pair.a.write(pair.peer, pair.descs(10, 256)[0], notify=b"after")
         assert t.poll() is Status.FAILED
         err = t.error
         assert isinstance(err, TransferError)
@@ -117,7 +117,7 @@ def test_later_failures_are_attached_not_substituted() -> None:
         assert [f.args[0] for f in err.followups] == ["failure of post #3"]
         text = str(err)
         assert text.index("post #2") < text.index("post #3")
-        assert len(posted(pair.a)) == 4  # the last batch was never posted
+        assert len(posted(pair.a)) == 4  # the notified last batch was never posted
 
 
 def test_a_refused_post_after_a_failed_batch_is_attached_to_that_failure() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from xferkit import Backend, CapabilityError, OptionError
+from xferkit import ArgumentError, Backend, CapabilityError, OptionError
 from xferkit.driver import Capabilities
 from xferkit.testing.mock import MockDriver
 
@@ -50,7 +50,7 @@ def test_valid_capabilities_are_kept_as_declared() -> None:
 
 
 def test_a_backend_needs_a_driver_with_capabilities() -> None:
-    with pytest.raises(CapabilityError, match=r"needs a xferkit\.driver\.Driver"):
+    with pytest.raises(ArgumentError, match=r"Backend\(\) takes a Driver"):
         Backend(object())  # type: ignore[arg-type]
     driver = MockDriver()
     driver.capabilities = {"max_batch": 4}  # type: ignore[assignment]

@@ -20,6 +20,7 @@ import pytest
 import xferkit
 from xferkit import Backend, BackendInfo, OptionError, PluginError, backends, open_backend
 from xferkit.driver import CONTRACT_VERSION
+from xferkit.options import DriverOptions, describe
 from xferkit.plugins import _reset
 
 HEAVY = '''
@@ -351,7 +352,10 @@ def test_plugin_whose_hook_lacks_hookimpl_is_listed_with_the_reason(install, cap
     )
     info = _only("unmarked")  # listed under its entry-point name: it registered no backend
     assert not info.available and info.reason and info.distribution == "fakeplug-unmarked"
-    assert "registered no hook implementation" in info.reason and "@xferkit.hookimpl" in info.reason
+    assert (
+        "registered no hook implementation" in info.reason
+        and "@xferkit.driver.hookimpl" in info.reason
+    )
     assert info.target == "unmarked_entry"
     with pytest.raises(PluginError, match="hookimpl"):
         open_backend("unmarked")
@@ -359,7 +363,7 @@ def test_plugin_whose_hook_lacks_hookimpl_is_listed_with_the_reason(install, cap
 
     assert main(["backends"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("unmarked ")]
-    assert "unusable:" in line and "@xferkit.hookimpl" in line
+    assert "unusable:" in line and "@xferkit.driver.hookimpl" in line
     assert _only("loopback").available
 
 
@@ -431,3 +435,54 @@ def test_a_bad_option_value_is_an_option_error(name: str, value: object) -> None
         pytest.skip(f"{name} is not usable here: {info.reason}")
     with pytest.raises(OptionError, match="max_batch"):
         open_backend(name, **DRIVER_OPTIONS.get(name, {}), max_batch=value)
+
+
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [({"faults": "x"}, "faults"), ({"max_batch": True}, "max_batch"), ({"fautls": None}, "fautls")],
+)
+def test_loopback_options_are_validated_when_it_opens(options: dict, culprit: str) -> None:
+    """Before: open_backend("loopback", faults="x") opened, then register() failed with a
+    RegistrationError about a missing attribute."""
+    with pytest.raises(OptionError, match=culprit) as exc:
+        open_backend("loopback", **options)
+    assert exc.value.subject == "loopback"
+
+
+@pytest.mark.parametrize("name", ["loopback", "mooncake", "nixl"])
+def test_every_in_tree_driver_documents_its_options_from_its_struct(name: str) -> None:
+    info = _only(name)
+    if not info.available:
+        pytest.skip(f"{name} is not usable here: {info.reason}")
+    module, _, attr = info.target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    assert cls.Options is not None and issubclass(cls.Options, DriverOptions)
+    described = describe(cls.Options)
+    assert "max_batch" in {o.name for o in described}
+    assert all(o.description for o in described)  # each says what it is for
+    assert all(o.default is not ... for o in described)  # a driver opens with none given
+
+
+def test_xferkit_driver_is_the_only_import_a_driver_needs() -> None:
+    """Before: the in-tree drivers imported OptionError, ProtocolError, RegistrationError from
+    xferkit (xferkit.driver did not re-export them), and hookimpl sat in the engine names."""
+    import xferkit
+    import xferkit.driver as d
+
+    for name in ("OptionError", "ProtocolError", "RegistrationError", "TransferError"):
+        assert getattr(d, name) is getattr(xferkit, name) and name in d.__all__
+    assert "hookimpl" in d.__all__ and "hookimpl" not in xferkit.__all__
+    for plugin in ("xferkit_loopback", "xferkit_mooncake", "xferkit_nixl"):
+        root = Path(importlib.import_module(plugin).__file__ or "").parent
+        for source in root.glob("*.py"):
+            assert "from xferkit import" not in source.read_text(), source
+
+
+def test_posted_subclass_slots_mean_something() -> None:
+    """Before: ``Posted`` declared no ``__slots__``, so every subclass's were ignored."""
+    from xferkit.driver import Done, QueuedBatch
+
+    with pytest.raises(AttributeError):
+        Done().anything = 1  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        QueuedBatch(None, b"x").anything = 1  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from mock_pairs import WAIT_S, buffer, descs, drain, manifest, mock_pair, posted
 
 import xferkit as xk
 from xferkit import Status, TransferError, XferError
-from xferkit.testing.mock import STALL, Call
+from xferkit.driver import Posted
+from xferkit.testing.mock import STALL, Call, MockDriver
+from xferkit.transfer import STATUS, Phase
 
 
 def _stalling(call: Call) -> str | None:
@@ -62,7 +65,7 @@ def test_wait_refuses_a_bad_timeout(timeout: object) -> None:
 def test_a_transfer_reports_its_size() -> None:
     with mock_pair() as pair:
         t = pair.a.write(pair.peer, pair.descs(3, 100)[0])
-        assert (t.descriptors, t.nbytes) == (3, 300)
+        assert (t.count, t.nbytes) == (3, 300)
         assert t.peer is pair.peer
 
 
@@ -143,3 +146,81 @@ def test_abort_without_waiting_returns_at_once_and_fails_when_drained() -> None:
         t.abort("engine loop", wait=False)
         assert t.poll() is Status.FAILED  # the mock lets go on release
         assert t.error is not None and "engine loop" in str(t.error)
+
+
+def test_a_split_write_without_a_notification_posts_every_batch_at_once() -> None:
+    """Before: with max_batch=1 and the first batch stalled, only 3 of 4 batches went out:
+    the last waited for the others although nothing rode on it."""
+    with mock_pair(_stalling, max_batch=1) as pair:
+        t = pair.a.write(pair.peer, pair.descs(4, 64)[0])
+        assert t.poll() is Status.PENDING and t.phase is Phase.SENDING
+        assert [len(c.descs) for c in posted(pair.a)] == [1, 1, 1, 1]
+        t.abort()
+        assert t.phase is Phase.FAILED and t.poll() is Status.FAILED
+
+
+def test_a_notified_split_write_holds_its_last_batch_until_the_others_are_done() -> None:
+    with mock_pair(_stalling, max_batch=1, notifications=True) as pair:
+        t = pair.a.write(pair.peer, pair.descs(4, 64)[0], notify=b"last")
+        assert t.poll() is Status.PENDING
+        assert [c.message for c in posted(pair.a)] == [None, None, None]
+        t.abort()
+        assert pair.b.notifications() == []
+
+
+class _Held(Posted):
+    """A batch the engine keeps running after its release, until the test lets go."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    def poll(self) -> Status:
+        return Status.FAILED if self.gone else Status.PENDING
+
+    @property
+    def error(self) -> str:
+        return "let go"
+
+
+def _first_post_fails(call: Call) -> str | None:
+    return "link down" if call.op == "post" and call.count == 1 else None
+
+
+class _HoldingDriver(MockDriver):
+    """A MockDriver whose second post stays PENDING after release (an engine still DMA-ing)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(
+            lambda c: "link down" if c.op == "post" and c.count == 1 else None, **options
+        )
+        self.held = _Held()
+
+    def post(self, link: Any, descs: xk.Descriptors, notify: bytes | None) -> Posted:
+        posted_ = super().post(link, descs, notify)
+        return self.held if len(self.handles) == 2 else posted_
+
+
+@pytest.mark.parametrize("notify", [None, b"n"])
+def test_phases_run_sending_failing_failed_and_status_follows(notify: bytes | None) -> None:
+    """A failed batch beside one the driver still holds: FAILING (error set, PENDING) until
+    the driver lets go of it, then FAILED; DONE when nothing fails."""
+    options: dict[str, Any] = {"max_batch": 1, "notifications": notify is not None}
+    driver = _HoldingDriver(**options)
+    with xk.Backend(driver) as a, xk.Backend(MockDriver(**options)) as b:
+        src, dst = buffer(1 << 12, 1), buffer(1 << 12, 2)
+        a.register(manifest([src], "src"))
+        b.register(manifest([dst], "dst"))
+        assert b.manifest is not None
+        peer = a.connect(b.endpoint(), b.manifest)
+        s0, d0 = src.ctypes.data, dst.ctypes.data
+        copies = descs([s0, s0 + 64, s0 + 128], [d0, d0 + 64, d0 + 128], [64] * 3)
+        t = a.write(peer, copies, notify=notify)
+        assert t.error is not None and "link down" in str(t.error)
+        assert t.phase is Phase.FAILING and t.poll() is Status.PENDING
+        driver.held.gone = True
+        assert t.poll() is Status.FAILED and t.phase is Phase.FAILED
+        assert STATUS[t.phase] is Status.FAILED
+    with mock_pair(**options) as pair:
+        t = pair.a.write(pair.peer, pair.descs(3, 64)[0], notify=notify)
+        t.wait(WAIT_S)
+        assert t.phase is Phase.DONE and t.poll() is Status.DONE

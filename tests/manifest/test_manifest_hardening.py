@@ -111,10 +111,10 @@ def test_tp_rank_and_size_must_be_ints(rank: object, size: object) -> None:
 
 @pytest.mark.parametrize("bad", [None, 3, "regions", _region()])
 def test_build_takes_an_iterable_of_regions(bad: object) -> None:
-    with pytest.raises(xk.ManifestError):
+    with pytest.raises(xk.ArgumentError):
         xk.Manifest.build(bad)  # type: ignore[arg-type]
     if not isinstance(bad, xk.Region):
-        with pytest.raises(xk.ManifestError):
+        with pytest.raises(xk.ArgumentError):
             xk.Manifest.build([bad])  # type: ignore[list-item]
 
 
@@ -183,13 +183,13 @@ def test_a_slot_needing_too_many_pieces_is_refused() -> None:
 @pytest.mark.parametrize("bad", [None, "x", 3])
 def test_plan_and_coverage_check_their_arguments(bad: object) -> None:
     m = xk.Manifest.build([_region()])
-    with pytest.raises(xk.PlanError):
+    with pytest.raises(xk.ArgumentError):
         xk.plan(m, bad)  # type: ignore[arg-type]
-    with pytest.raises(xk.PlanError):
+    with pytest.raises(xk.ArgumentError):
         xk.plan(bad, m)  # type: ignore[arg-type]
-    with pytest.raises(xk.PlanError):
+    with pytest.raises(xk.ArgumentError):
         xk.coverage([bad], m)  # type: ignore[list-item]
-    with pytest.raises(xk.PlanError):
+    with pytest.raises(xk.ArgumentError):
         xk.plan(m, m).expand(bad)  # type: ignore[arg-type]
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xferkit import PlanError, coverage, plan
+from xferkit import ArgumentError, PlanError, coverage, plan
 from xferkit.staging import PATHS, Force, stage
 from xferkit.testing import Reference, RegionSpec, layouts, slot_requests, staged_handoff
 from xferkit.testing.strategies import INTERESTING_TP
@@ -142,8 +142,9 @@ def test_a_request_four_times_the_staging_runs_in_rounds_within_it() -> None:
 def test_staging_smaller_than_one_slot_names_the_region() -> None:
     ref = _ref("NHD", 4, 8)
     p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=4096, force="both")
-    with pytest.raises(PlanError, match=r"cannot hold one slot of region group \('kv', 'k', 0"):
+    with pytest.raises(PlanError, match=r"cannot hold one slot of region group kv/k\[0\] ") as info:
         p.expand(REQUEST, src_capacity=100, dst_capacity=1 << 20)
+    assert info.value.subject == ("kv", "k", 0, 0)  # the label in the text, the key as subject
 
 
 @pytest.mark.parametrize(
@@ -160,7 +161,7 @@ def test_stage_refuses_bad_arguments(kwargs: dict, match: str) -> None:
     ref = _ref("NHD", 4, 8)
     with pytest.raises(PlanError, match=match):
         stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), **kwargs)
-    with pytest.raises(PlanError, match="takes a Plan"):
+    with pytest.raises(ArgumentError, match="takes a Plan"):
         stage("plan", descriptor_bytes=1)  # type: ignore[arg-type]
 
 
@@ -169,7 +170,7 @@ def test_expand_refuses_bad_capacities_and_requests() -> None:
     p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=4096)
     with pytest.raises(PlanError, match="src_capacity"):
         p.expand(REQUEST, src_capacity=-1, dst_capacity=1)
-    with pytest.raises(PlanError, match="maps pool"):
+    with pytest.raises(ArgumentError, match="pool -> "):
         p.expand(None, src_capacity=1, dst_capacity=1)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="unknown pool"):
         p.expand({"nope": ([0], [0])}, src_capacity=1 << 20, dst_capacity=1 << 20)

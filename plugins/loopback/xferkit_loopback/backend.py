@@ -21,13 +21,21 @@ import threading
 import uuid
 import weakref
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
 
-from xferkit import Descriptors, Manifest, Region
-from xferkit.driver import AddressTable, Capabilities, Driver, Posted
+from xferkit.driver import (
+    AddressTable,
+    Capabilities,
+    Descriptors,
+    Driver,
+    DriverOptions,
+    Manifest,
+    Posted,
+    Region,
+)
 
 from .copy import allow_writers, copy_local, explain, start_time, write_remote
 from .faults import Faults
@@ -43,22 +51,33 @@ COPY_COST = 2.0
 """Its large copies run at 2x the copier's strided pack (benchmarks/bench_staging.py)."""
 
 
+class LoopbackOptions(DriverOptions, frozen=True):
+    """What ``open_backend("loopback", ...)`` takes."""
+
+    faults: Annotated[Faults | None, msgspec.Meta(description="failures to inject")] = None
+    max_batch: Annotated[
+        int, msgspec.Meta(ge=0, description="descriptors per post; 0: no limit")
+    ] = 0
+
+
 class LoopbackDriver(Driver):
-    """Options: ``faults`` (a ``Faults`` to inject failures), ``max_batch`` (0: no limit)."""
+    """Options: ``LoopbackOptions``."""
 
     name: ClassVar[str] = "loopback"
     Blob: ClassVar[type[msgspec.Struct]] = LoopbackBlob
+    Options: ClassVar[type[DriverOptions]] = LoopbackOptions
 
-    def __init__(self, *, faults: Faults | None = None, max_batch: int = 0) -> None:
+    def __init__(self, options: LoopbackOptions | None = None) -> None:
+        opts = options if options is not None else LoopbackOptions()
         self.capabilities = Capabilities(
             memory=frozenset({"cpu"}),
             notifications=True,
             cross_process=True,
-            max_batch=max_batch,
+            max_batch=opts.max_batch,
             descriptor_bytes=DESCRIPTOR_BYTES,
             copy_cost=COPY_COST,
         )
-        self.faults = faults if faults is not None else Faults()
+        self.faults = opts.faults if opts.faults is not None else Faults()
         self.id = uuid.uuid4().hex[:16]
         self.address = f"{os.getpid()}:{self.id}"
         self._ranges: dict[int, int] = {}  # registered start -> end

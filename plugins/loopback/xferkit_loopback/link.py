@@ -10,8 +10,7 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from xferkit import Descriptors
-from xferkit.driver import AddressTable, BatchWorker, QueuedBatch
+from xferkit.driver import AddressTable, BatchWorker, Descriptors, QueuedBatch
 
 from .copy import RemoteWord, start_time
 from .notices import poke_name, socket_name

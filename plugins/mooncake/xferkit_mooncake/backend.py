@@ -16,13 +16,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Annotated, Any, ClassVar, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 import numpy as np
 
-from xferkit import Descriptors, Manifest, OptionError, ProtocolError, Region, RegistrationError
-from xferkit.driver import Capabilities, Driver, Posted, QueuedBatch, rdma_devices
+from xferkit.driver import (
+    Capabilities,
+    Descriptors,
+    Driver,
+    DriverOptions,
+    Manifest,
+    Posted,
+    ProtocolError,
+    QueuedBatch,
+    Region,
+    RegistrationError,
+    rdma_devices,
+)
 
 from . import engine as _engine
 from .codes import check, code_name, explain
@@ -59,54 +70,61 @@ class _Link(NamedTuple):
     lane: Lane
 
 
+class MooncakeOptions(DriverOptions, frozen=True):
+    """What ``open_backend("mooncake", ...)`` takes."""
+
+    protocol: Annotated[
+        Literal["rdma", "tcp"] | None,
+        msgspec.Meta(description="rdma or tcp; None: rdma where an RDMA device exists"),
+    ] = None
+    device: Annotated[
+        str, msgspec.Meta(description="RDMA device names, comma-separated; empty: all")
+    ] = ""
+    hostname: Annotated[
+        str, msgspec.Meta(min_length=1, description="the address peers reach this engine at")
+    ] = "127.0.0.1"
+    notifications: Annotated[bool, msgspec.Meta(description="deliver notifications")] = True
+    max_batch: Annotated[
+        int, msgspec.Meta(ge=1, le=MAX_BATCH, description="entries per engine call")
+    ] = MAX_BATCH
+    stall_timeout: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=1,
+                le=3600,
+                description="seconds without progress before the TCP transport drops a "
+                "transfer; None: MC_TCP_PROGRESS_TIMEOUT_SEC as exported, else 5 (process-wide, "
+                "see engine.configure)",
+            ),
+        ]
+        | None
+    ) = None
+
+
 class MooncakeDriver(Driver):
-    """Options: ``protocol`` ("rdma" or "tcp"; default rdma where an RDMA device exists),
-    ``device`` (RDMA device names, comma-separated; empty = all), ``hostname`` (the address
-    peers reach this engine at), ``notifications`` (deliver them; default on),
-    ``max_batch`` (entries per engine call, 1..1024) and ``stall_timeout`` (seconds without
-    progress before the TCP transport drops a transfer, 1..3600; default 5, or
-    ``MC_TCP_PROGRESS_TIMEOUT_SEC`` as exported; process-wide, see ``engine.configure``)."""
+    """Options: ``MooncakeOptions``."""
 
     name: ClassVar[str] = "mooncake"
     Blob: ClassVar[type[msgspec.Struct]] = _Blob
+    Options: ClassVar[type[DriverOptions]] = MooncakeOptions
 
-    def __init__(
-        self,
-        *,
-        protocol: str | None = None,
-        device: str = "",
-        hostname: str = "127.0.0.1",
-        notifications: bool = True,
-        max_batch: int = MAX_BATCH,
-        stall_timeout: int | None = None,
-    ) -> None:
-        stall = _engine.default_stall_timeout() if stall_timeout is None else stall_timeout
-        for option, value, kind in (
-            ("device", device, str),
-            ("hostname", hostname, str),
-            ("notifications", notifications, bool),
-            ("max_batch", max_batch, int),
-            ("stall_timeout", stall, int),
-        ):
-            if type(value) is not kind:
-                raise OptionError(f"mooncake: {option} must be a {kind.__name__}, not {value!r}")
-        if not hostname:
-            raise OptionError("mooncake: hostname must name the address peers reach this engine at")
-        if not 1 <= max_batch <= MAX_BATCH:
-            raise OptionError(f"mooncake: max_batch must be within 1..{MAX_BATCH}, not {max_batch}")
-        if not 1 <= stall <= 3600:
-            raise OptionError(f"mooncake: stall_timeout must be within 1..3600 s, not {stall}")
+    def __init__(self, options: MooncakeOptions | None = None) -> None:
+        opts = options if options is not None else MooncakeOptions()
+        stall = (
+            _engine.default_stall_timeout() if opts.stall_timeout is None else opts.stall_timeout
+        )
         self.capabilities = Capabilities(
             memory=frozenset({"cpu"}),
-            notifications=notifications,
+            notifications=opts.notifications,
             cross_process=True,
-            max_batch=max_batch,
+            max_batch=opts.max_batch,
             descriptor_bytes=DESCRIPTOR_BYTES,
             copy_cost=COPY_COST,
         )
-        self.protocol = _engine.pick_protocol(protocol, rdma_devices())
+        self.protocol = _engine.pick_protocol(opts.protocol, rdma_devices())
         self.stall_timeout = stall
-        self._start = (hostname, self.protocol, device)
+        self._start = (opts.hostname, self.protocol, opts.device)
         _engine.configure(stall)
         engine, self.address = _engine.start(*self._start)
         self._local = Local(engine, self.address)  # shared with every lane

@@ -8,7 +8,7 @@ name, what it means here, and the xferkit error it is raised as.
 
 from __future__ import annotations
 
-from xferkit import (
+from xferkit.driver import (
     OptionError,
     PluginError,
     ProtocolError,

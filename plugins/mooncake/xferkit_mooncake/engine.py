@@ -16,8 +16,7 @@ from collections.abc import Mapping
 
 from mooncake.engine import TransferEngine
 
-from xferkit import OptionError
-from xferkit.driver import INFINIBAND
+from xferkit.driver import INFINIBAND, OptionError
 
 from .codes import check
 

@@ -31,7 +31,7 @@ from xferkit.driver import Posted, Status
 from xferkit.testing.conformance import drain_until, require_backend
 from xferkit.testing.peer import PeerProcess, Setup
 from xferkit.testing.reference import RegionSpec
-from xferkit_nixl.backend import NixlDriver
+from xferkit_nixl.backend import NixlDriver, NixlOptions
 from xferkit_nixl.memory import Kinds, memory_kind, split_by_kind
 from xferkit_nixl.ucx_env import apply_defaults, ucx_modules_default
 
@@ -44,7 +44,7 @@ class Recording(NixlDriver):
     """The NIXL driver, keeping every batch it posted (the core releases them; they stay here)."""
 
     def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
+        super().__init__(NixlOptions(**options))
         self.posts = 0
         self.posted: list[Posted] = []
 

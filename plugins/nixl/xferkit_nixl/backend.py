@@ -16,14 +16,26 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
 
-from xferkit import Manifest, OptionError, PluginError, ProtocolError, Region
-from xferkit.driver import AddressTable, Capabilities, Descriptors, Done, Driver, Posted, Status
+from xferkit.driver import (
+    AddressTable,
+    Capabilities,
+    Descriptors,
+    Done,
+    Driver,
+    DriverOptions,
+    Manifest,
+    OptionError,
+    PluginError,
+    Posted,
+    ProtocolError,
+    Region,
+    Status,
+)
 
 from . import ucx_env
 from .memory import Kind, Kinds, gpu_visible, memory_kind, rows, split_by_kind
@@ -32,11 +44,31 @@ from .nixl_api import describe, error, load, new_agent
 _names = itertools.count(1)
 
 
-class _Options(msgspec.Struct, kw_only=True):  # max_batch: Capabilities checks it
-    backends: Annotated[list[str], msgspec.Meta(min_length=1)]
-    agent_prefix: Annotated[str, msgspec.Meta(min_length=1)]
-    progress_thread: bool
-    progress_delay_us: Annotated[int, msgspec.Meta(ge=0)]
+DESCRIPTOR_BYTES = 27_000
+"""About 2 us per descriptor at 12 GB/s (benchmarks/bench_staging.py)."""
+COPY_COST = 1.9
+"""Its large copies run at 1.9x the local copier's strided pack (benchmarks/bench_staging.py)."""
+
+
+class NixlOptions(DriverOptions, frozen=True):
+    """What ``open_backend("nixl", ...)`` takes (docs/nixl.md says more)."""
+
+    backends: Annotated[
+        tuple[str, ...],
+        msgspec.Meta(min_length=1, description="NIXL backend plugins the agent creates"),
+    ] = ("UCX",)
+    agent_prefix: Annotated[
+        str, msgspec.Meta(min_length=1, description="the start of the agent's name")
+    ] = "xferkit"
+    max_batch: Annotated[
+        int, msgspec.Meta(ge=0, description="descriptors per NIXL request; 0: no limit")
+    ] = 0
+    progress_thread: Annotated[
+        bool, msgspec.Meta(description="NIXL's own progress thread drives UCX")
+    ] = True
+    progress_delay_us: Annotated[
+        int, msgspec.Meta(ge=0, description="that thread's pause between rounds, in us")
+    ] = 1000
 
 
 class _Blob(msgspec.Struct, frozen=True):
@@ -145,39 +177,31 @@ class _Xfer(Posted):
 
 
 class NixlDriver(Driver):
-    """xferkit over one NIXL agent, whose name is the ``address``. Options: docs/nixl.md."""
+    """xferkit over one NIXL agent, whose name is the ``address``. Options: ``NixlOptions``."""
 
     name: ClassVar[str] = "nixl"
     Blob: ClassVar[type[msgspec.Struct]] = _Blob
+    Options: ClassVar[type[DriverOptions]] = NixlOptions
 
-    def __init__(
-        self,
-        *,
-        backends: Sequence[str] = ("UCX",),
-        agent_prefix: str = "xferkit",
-        max_batch: int = 0,
-        progress_thread: bool = True,
-        progress_delay_us: int = 1000,
-    ) -> None:
-        given = {k: v for k, v in locals().items() if k in _Options.__struct_fields__}
-        try:
-            opts = msgspec.convert(given, _Options)
-        except msgspec.ValidationError as exc:
-            raise OptionError(f"nixl: bad option: {exc}") from exc
-        # 2 us per descriptor at 12 GB/s, copies at 1.9x the local copier (bench_staging)
+    def __init__(self, options: NixlOptions | None = None) -> None:
+        opts = options if options is not None else NixlOptions()
+        agent_prefix, progress_thread = opts.agent_prefix, opts.progress_thread
+        progress_delay_us = opts.progress_delay_us
         caps = Capabilities(
             notifications=True,
             cross_process=True,
-            max_batch=max_batch,
-            descriptor_bytes=27_000,
-            copy_cost=1.9,
+            max_batch=opts.max_batch,
+            descriptor_bytes=DESCRIPTOR_BYTES,
+            copy_cost=COPY_COST,
         )
         self.env_notes = ucx_env.apply_defaults()  # before the first agent of the process
         api, self._bindings = load()
         self._segments = {"DRAM": self._bindings.DRAM_SEG, "VRAM": self._bindings.VRAM_SEG}
         self.address = f"{agent_prefix}-{os.getpid()}-{next(_names)}-{uuid.uuid4().hex[:8]}"
         config = api.nixl_agent_config(
-            enable_prog_thread=progress_thread, enable_listen_thread=False, backends=opts.backends
+            enable_prog_thread=progress_thread,
+            enable_listen_thread=False,
+            backends=list(opts.backends),
         )
         try:
             self._agent = new_agent(api, self._bindings, self.address, config, progress_delay_us)

@@ -9,7 +9,7 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
-from xferkit import CapabilityError, ProtocolError, TransferError, XferError
+from xferkit.driver import CapabilityError, ProtocolError, TransferError, XferError
 
 
 class _Stderr:
