@@ -36,7 +36,7 @@ def bench_table(cases: list[dict[str, Any]], title: str) -> Any:
     t = Table(title=title, title_justify="left")
     for name in (
         "case", "bytes/req", "descs/req", "GB/s", "req/s", "p50 ms", "p99 ms",
-        "memcpy GB/s", "1-desc GB/s", "ratio", "bytes",
+        "memcpy GB/s", "1-desc GB/s", "ratio", "check",
     ):  # fmt: skip
         t.add_column(name, justify="left" if name == "case" else "right")
     for c in cases:
