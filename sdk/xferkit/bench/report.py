@@ -120,6 +120,7 @@ def plot(path: str, cases: list[dict[str, Any]]) -> dict[str, list[str]]:
         lat = np.sort([r["latency_s"] * 1e3 for r in c["records"] if not r["warmup"]])
         cdf.step(lat, np.arange(1, lat.size + 1) / lat.size, where="post", label=c["label"])
     cdf.set_xlabel("request latency, ms (first expect to the last decode rank's DONE)")
+    cdf.set_xscale("log")  # cases differ by orders of magnitude
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("latency CDF")
     cdf.legend(fontsize=8)
