@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard plugins/*/pyproject.toml) ex
 	$(MAKE) sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]' -e plugins/loopback \
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,cli,plot]' -e plugins/loopback \
 		-e 'plugins/mooncake[cpu]' -e plugins/nixl -e examples/driver
 	# NIXL declares torch (a multi-GB CUDA build here): install it without dependencies.
 	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps nixl-cu12 nixl
@@ -30,8 +30,9 @@ lint: install
 test: install lint
 	$(BIN)/python -m pytest
 
+# The main job: the tiny preset handed over by real Sessions in real processes, every byte checked.
 demo: install
-	$(BIN)/xferkit demo
+	$(BIN)/xferkit bench
 
 # Every benchmarks/bench_*.py, each writing benchmarks/results/<name>.json.
 bench: install

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """A bad option is one line (what is wrong, and where help is), not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xferkit", description=__doc__)
+    from .bench.cli import add_parser
+    from .bench.cli import main as bench
+
+    parser = _Parser(prog="xferkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan and execute a heterogeneous-TP handoff in memory")
-    demo.add_argument("--src-tp", type=_positive, default=2)
-    demo.add_argument("--dst-tp", type=_positive, default=4)
-    demo.add_argument("--layers", type=_positive, default=8)
+    add_parser(sub)
     listing = sub.add_parser("backends", help="list installed backends and whether they work here")
     listing.add_argument(
         "--check",
@@ -32,15 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     keygen.add_argument("directory")
     keygen.add_argument("--name", default="xferkit", help="file name stem (default: xferkit)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import run
-        from .errors import XferError
-
-        try:
-            return 0 if run(args.src_tp, args.dst_tp, args.layers) else 1
-        except XferError as exc:
-            print(f"xferkit demo: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
+    if args.command == "bench":
+        return bench(args)
     if args.command == "backends":
         from .plugins import backends
 

@@ -1,0 +1,80 @@
+"""What the bench records per request and per case (the JSON of ``xferkit bench --json``).
+
+A request's record is filled from outside the Session today: each rank's own
+``expect``/``offer`` -> DONE interval (monotonic seconds, one clock per host)
+and the plan's bytes and descriptors. ``timeline`` is where a per-stage split
+will plug in once the Session exports one: ``{stage: [start, end]}`` in
+seconds from the request's start, stages from ``STAGES``; ``routes`` then gains
+the staged and direct routes beside the plan's. Until then ``timeline`` is
+empty and the table shows no split columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+STAGES = ("handshake", "plan", "pack", "post", "wire", "notify", "unpack", "control")
+"""The stages a request's timeline will split its time into (the issue's order)."""
+
+
+@dataclass
+class Record:
+    id: str
+    bytes: int
+    descriptors: int
+    decode: list[tuple[float, float]] = field(default_factory=list)  # per decode rank
+    prefill: list[tuple[float, float]] = field(default_factory=list)  # per prefill rank
+    verified: bool | None = None
+    warmup: bool = False
+    timeline: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def start(self) -> float:
+        return min(s for s, _ in self.decode + self.prefill)
+
+    @property
+    def end(self) -> float:
+        return max(e for _, e in self.decode)
+
+    @property
+    def latency_s(self) -> float:
+        """The handoff as the decode side sees it: first ``expect`` to the last rank's DONE."""
+        return max(e for _, e in self.decode) - min(s for s, _ in self.decode)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "bytes": self.bytes,
+            "descriptors": self.descriptors,
+            "routes": {"plan": {"bytes": self.bytes, "descriptors": self.descriptors}},
+            "start": self.start,
+            "end": self.end,
+            "latency_s": self.latency_s,
+            "decode": [list(x) for x in self.decode],
+            "prefill": [list(x) for x in self.prefill],
+            "verified": self.verified,
+            "warmup": self.warmup,
+            "timeline": {k: list(v) for k, v in self.timeline.items()},
+        }
+
+
+def summary(records: list[Record]) -> dict[str, Any]:
+    """Throughput over the span of the measured requests, latency percentiles."""
+    span = max(r.end for r in records) - min(r.start for r in records)
+    total = sum(r.bytes for r in records)
+    lat = np.array([r.latency_s for r in records])
+    checked = [r.verified for r in records]
+    return {
+        "requests": len(records),
+        "bytes_per_request": int(np.median([r.bytes for r in records])),
+        "descriptors_per_request": int(np.median([r.descriptors for r in records])),
+        "span_s": span,
+        "gbps": total / span / 1e9,
+        "requests_per_s": len(records) / span,
+        "p50_ms": float(np.percentile(lat, 50) * 1e3),
+        "p99_ms": float(np.percentile(lat, 99) * 1e3),
+        "verified": None if any(c is None for c in checked) else all(checked),
+    }
