@@ -174,7 +174,7 @@ def _one_line(run: subprocess.CompletedProcess[str], code: int, *words: str) -> 
         (["--tp", "3:1", "--quiet"], 2, ["ManifestError", "tp_size 3"]),
         (["--driver", "nope"], 3, ["'nope'", "installed"]),
         (["--driver", "example"], 3, ["cross_process=False"]),
-        (["--driver", "loopback", "-o", "colour=blue"], 3, ["bad options", "colour"]),
+        (["--driver", "loopback", "-o", "colour=blue"], 3, ["bad option", "colour"]),
         (["raw", "--blocks", "4Q"], 2, ["4Q"]),
         (["calibrate", "nope"], 3, ["'nope'"]),
     ],

@@ -2,14 +2,13 @@
 destinations are known.
 
 A decode rank's ``Request`` claims its place (TP rank, stage, from its Hello) in
-the request for the connection it came on; only that connection may then abort,
-fail or unpack it. Each chunk of ``Send.write`` maps onto the next unfilled
-destination slots, expanded through the pair's plan and posted (``Post``) with
-the completion tag riding on the notification. Chunks written before the
-decode side asked are held, under a lease once the last one is in; requests
-asked for before ``offer`` are held within ``MAX_UNOFFERED`` and
-``MAX_UNOFFERED_SLOTS``. A failing request cancels its writes and is settled,
-its ``Fail`` / ``AbortAck`` sent, once every write reported its end.
+the request for its connection; only that connection may then abort, fail or
+unpack it. Each chunk of ``Send.write`` maps onto the next unfilled slots of
+each place, expanded through the pair's plan and posted (``Post``) with the
+completion tag on the notification. Chunks written before a decode rank asked
+are held (under a lease once the last is in), requests asked for before
+``offer`` within the ledger's bounds. A failing request cancels its writes and
+is settled, its ``Fail`` / ``AbortAck`` sent, once every write ended.
 """
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ class Outgoing:
 
     def _reply(self, down: Down, rid: str, gen: int, stage: str, text: str) -> None:
         self.out.send(down.conn, wire.Fail(rid=rid, gen=gen, stage=stage, text=text))
-
-    # -- claims --------------------------------------------------------------------------
 
     def request(self, down: Down, msg: wire.Request, now: float) -> None:
         rid, where = msg.rid, self.s.where("prefill")
@@ -180,8 +177,6 @@ class Outgoing:
             else:
                 log.info("%s: renewal of %r, which is not held: dropped", self.s.address, rid)
 
-    # -- the engine's side ---------------------------------------------------------------
-
     def offer(self, handle: object, rid: str, now: float) -> None:
         early = self.ledger.early.pop(rid, None)
         if early is not None:  # decode ranks asking after this get the same root cause
@@ -218,8 +213,6 @@ class Outgoing:
         rec = self.sends.get(_rid(handle))
         if rec is not None and rec.handle is handle:
             self.fail(rec, "abort", "aborted by the engine")
-
-    # -- writes ------------------------------------------------------------------------
 
     def _write_chunk(
         self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool, now: float
@@ -320,8 +313,6 @@ class Outgoing:
         remember(self.ledger.finished, rec.rid, None)
         self.out.done(rec.handle, rec.rid)
 
-    # -- failing -------------------------------------------------------------------------
-
     def fail(
         self, rec: SendRec, stage: str, detail: str, *, formatted: bool = False,
         ack: Down | None = None, gone: Down | None = None,
@@ -374,8 +365,6 @@ class Outgoing:
         for rec in [r for r in self.sends.values() if r.dst_of(down) is not None]:
             self.fail(rec, "peer lost", why, gone=down)
         return down.writes == 0
-
-    # -- timers ------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         for rec in list(self.sends.values()):

@@ -7,11 +7,10 @@ event, a timer) and the time, and returns the actions it calls for
 (``actions``). The shell carries them out; a test or a simulator can drive
 two or more Protocols by hand.
 
-It routes each event to the part that owns it: ``Pairs`` (handshakes and
-heartbeats), ``Incoming`` (decode requests), ``Outgoing`` (prefill requests)
-and ``Roster`` (group bootstrap), and does what crosses them: a pair lost fails
-the requests that need it. A message from a connection acts only on what
-belongs to that connection; anything else is dropped with a log line.
+It routes each event to the part that owns it (``Pairs``, ``Incoming``,
+``Outgoing``, ``Roster``) and does what crosses them: a pair lost fails the
+requests that need it. A message acts only on what belongs to the connection
+it came on; anything else is dropped with a log line.
 """
 
 from __future__ import annotations
@@ -64,8 +63,6 @@ class Protocol:
             log.warning("%s: %s", self.s.address, why)
             for down in list(self.pairs.downs.values()):
                 self._lose_down(down, why)
-
-    # -- engine commands -----------------------------------------------------------------
 
     def expect(
         self, handle: object, rid: str, spec: tuple[str, ...], slots: dict[str, np.ndarray],
@@ -150,8 +147,6 @@ class Protocol:
         self.pairs.ups.clear()
         self.roster.leave()
         return self.out.take()
-
-    # -- messages ------------------------------------------------------------------------
 
     def receive(self, conn: act.Conn, msg: wire.Message, now: float) -> list[act.Action]:
         """``msg`` arrived on ``conn``: it acts only on what belongs to that connection."""
@@ -268,8 +263,6 @@ class Protocol:
                 "%s: unexpected %s from %s: dropped", self.s.address, type(msg).__name__, up.address
             )
 
-    # -- driver and connection events ----------------------------------------------------
-
     def notification(self, driver: str, data: bytes, now: float) -> list[act.Action]:
         """A driver notification from the peer ``driver`` (``backend:address``), after the
         data: counted only for the pair that holds that driver address."""
@@ -333,8 +326,6 @@ class Protocol:
             log.error("%s: %s", self.s.address, why)
         return self.out.take()
 
-    # -- time --------------------------------------------------------------------------
-
     def timer(self, now: float) -> list[act.Action]:
         self._enter(now)
         self._tick_at = now + self.tick_s
@@ -367,8 +358,6 @@ class Protocol:
             self.incoming.next_deadline(),
             self.outgoing.next_deadline(),
         )
-
-    # -- what crosses the parts --------------------------------------------------------
 
     def _resolve(self, rec: Recv, now: float) -> None:
         got = None if rec.sources else self.roster.expand(rec.spec, now)

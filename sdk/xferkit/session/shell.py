@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.auth.thread
@@ -42,6 +42,15 @@ POLL_S = 0.001
 YIELD_S = 5e-5
 """How long the control thread pauses in a burst while the data plane has posts to take."""
 _MONITORED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
+
+
+def _waiting(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock`` (cheaper than a receive failing with EAGAIN, which
+    costs an exception at the end of every drain)."""
+    try:
+        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+    except zmq.ZMQError:
+        return True  # the receive says what is wrong
 
 
 class Shell:
@@ -227,7 +236,7 @@ class Shell:
         p = self.protocol
         assert p is not None
         router = self.router
-        while True:
+        while _waiting(router):
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -243,6 +252,7 @@ class Shell:
             msg = self._decode(data, "a decode rank or group member")
             if msg is not None:
                 self._apply(p.receive(("down", ident), msg, time.monotonic()))
+        return True
 
     def _drain_dealers(self, events: dict[Any, int]) -> bool:
         p = self.protocol
@@ -250,7 +260,7 @@ class Shell:
         for sock in list(events):
             conn = self._dealers.get(sock)
             if conn is not None:
-                while self._socks.get(conn) is sock is not None:
+                while self._socks.get(conn) is sock is not None and _waiting(sock):
                     try:
                         data = sock.recv(zmq.NOBLOCK)
                     except zmq.ZMQError:
