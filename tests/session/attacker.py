@@ -16,7 +16,8 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import msgspec
@@ -294,3 +295,15 @@ class Attacker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def hostile(side: str = "dst") -> Iterator[Attacker]:
+    """A hostile peer with a decode rank's layout (``side="dst"``) or a prefill rank's, and a
+    valid loopback endpoint."""
+    from session_rank import reference
+
+    ref = reference(1, 1, seed=99)
+    rank = (ref.dsts if side == "dst" else ref.srcs)[0]
+    with Attacker(rank.manifest, memory=ref) as a:
+        yield a

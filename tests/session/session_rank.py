@@ -11,6 +11,8 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +313,17 @@ def start(setups: list[Setup]) -> list[RankProcess]:
         assert reply.ok, reply.error
         p.address = reply.address
     return procs
+
+
+@contextmanager
+def ranks(*setups: Setup) -> Iterator[list[RankProcess]]:
+    """``start`` as a context: every rank process closed on the way out."""
+    procs = start(list(setups))
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.close()
 
 
 if __name__ == "__main__":

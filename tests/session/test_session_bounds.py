@@ -12,37 +12,17 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import procfs
-from attacker import Attacker, distinct_endpoint
+from attacker import distinct_endpoint, hostile
 from procfs import MIB
-from session_rank import Check, Expect, Offer, RankProcess, Setup, Wait, Write, reference, start
+from session_rank import Check, Expect, Offer, RankProcess, Setup, Wait, Write, ranks, reference
 
 import xferkit as xk
 from xferkit.session import Session, wire
 from xferkit.session.core import MAX_PAIRS
 
 FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "handshake_timeout_s": 3.0}
-
-
-@contextmanager
-def ranks(*setups: Setup) -> Iterator[list[RankProcess]]:
-    procs = start(list(setups))
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.close()
-
-
-@contextmanager
-def attacker() -> Iterator[Attacker]:
-    """A hostile peer with a decode rank's layout and a valid loopback endpoint."""
-    ref = reference(1, 1, seed=99)
-    with Attacker(ref.dsts[0].manifest, memory=ref) as a:
-        yield a
 
 
 def _honest(pre: RankProcess, dec: RankProcess, rid: str) -> None:
@@ -81,7 +61,7 @@ def test_maximal_requests_for_ids_nobody_offered_hold_bounded_memory() -> None:
     # The prefill's dead_after_s is long: decoding one Request takes seconds, and the pair
     # must stay live (as a pinging peer keeps it) for what it made the prefill hold to count.
     patient = Setup("src", 0, 1, 1, session={**FAST, "dead_after_s": 60.0})
-    with ranks(patient, Setup("dst", 0, 1, 1, session=FAST)) as (pre, dec), attacker() as a:
+    with ranks(patient, Setup("dst", 0, 1, 1, session=FAST)) as (pre, dec), hostile() as a:
         conn = a.connect(pre.address)
         welcome = conn.hello()
         assert welcome is not None and not welcome.error, welcome
@@ -111,7 +91,7 @@ def test_a_refused_hello_is_not_kept_while_its_peer_pings() -> None:
     junk = b"\xa5" * (60 * MIB)
     # Its dead_after_s is long, so a slow machine cannot lose the pairs between two pings.
     patient = Setup("src", 0, 1, 1, session={**FAST, "dead_after_s": 30.0})
-    with ranks(patient) as (pre,), attacker() as a:
+    with ranks(patient) as (pre,), hostile() as a:
         before = _settled_rss(pre.proc.pid, 0.1)
         conns = [a.connect(pre.address) for _ in range(8)]
         for i, conn in enumerate(conns):
@@ -143,7 +123,7 @@ def test_hellos_from_many_connections_hold_a_bounded_number_of_links() -> None:
     connection still costs ZMQ its one TCP socket."""
     with (
         ranks(Setup("src", 0, 1, 1, session={**FAST, "dead_after_s": 30.0})) as (pre,),
-        attacker() as a,
+        hostile() as a,
     ):
         assert a.backend is not None
         pid = pre.proc.pid

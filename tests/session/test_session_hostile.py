@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import zmq
-from attacker import Attacker, envelope, forge_endpoint
+from attacker import envelope, forge_endpoint, hostile
 from session_rank import (
     Check,
     Expect,
@@ -27,33 +25,13 @@ from session_rank import (
     Verify,
     Wait,
     Write,
-    reference,
-    start,
+    ranks,
 )
 
 from xferkit.session import wire
 
 FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "handshake_timeout_s": 3.0}
 FORGED = "forged by the attacker"
-
-
-@contextmanager
-def ranks(*setups: Setup) -> Iterator[list[RankProcess]]:
-    procs = start(list(setups))
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.close()
-
-
-@contextmanager
-def attacker(side: str = "dst") -> Iterator[Attacker]:
-    """A hostile peer with a decode rank's layout (``side="dst"``) or a prefill rank's."""
-    ref = reference(1, 1, seed=99)
-    rank = (ref.dsts if side == "dst" else ref.srcs)[0]
-    with Attacker(rank.manifest, memory=ref) as a:
-        yield a
 
 
 def _pair() -> tuple[Setup, Setup]:
@@ -98,7 +76,7 @@ def test_a_third_partys_abort_or_fail_cannot_touch_another_pairs_request(forge: 
     prefill rank; the honest pair's request then failed on both sides with the forged text.
     Fixed: a message acts only on what its own connection claimed, so the honest request
     completes DONE byte-exact on both sides (the Abort is still answered with AbortAck)."""
-    with ranks(*_pair()) as (pre, dec), attacker() as a:
+    with ranks(*_pair()) as (pre, dec), hostile() as a:
         conn = a.connect(pre.address)
         welcome = conn.hello()
         assert welcome is not None and not welcome.error, welcome
@@ -123,7 +101,7 @@ def test_a_fail_for_an_id_not_offered_yet_does_not_poison_the_offer(forge: str) 
     request's root cause, and the later offer() failed with the forged text (and so did the
     honest decode rank's request). Fixed: a bare Fail/Abort for an id that connection never
     claimed is dropped (an Abort answered with AbortAck); offer + write + expect end DONE."""
-    with ranks(*_pair()) as (pre, dec), attacker() as a:
+    with ranks(*_pair()) as (pre, dec), hostile() as a:
         conn = a.connect(pre.address)
         welcome = conn.hello()
         assert welcome is not None and not welcome.error, welcome
@@ -140,7 +118,7 @@ def test_a_prefill_rank_the_request_never_named_cannot_fail_it() -> None:
     it) could fail any decode request by guessing its generation: Fail(rid, gen=1..20) was
     applied from whichever pair it came. Fixed: a Fail (AbortAck, Written, completion) is
     applied only from a source the request named; the honest request completes."""
-    with ranks(*_pair()) as (pre, dec), attacker("src") as a:
+    with ranks(*_pair()) as (pre, dec), hostile("src") as a:
         fake = a.listen()
         dec.ok(Expect("decoy", [fake.address], {"kv": [9]}))
         got = fake.next(wire.Hello)
@@ -170,7 +148,7 @@ def test_a_hello_with_the_prefills_own_endpoint_is_refused_and_writes_nothing() 
     endpoint names only the memory of the peer that sent it, so that Hello is refused (a
     Welcome with an error), nothing is written, the prefill's pages 10 and 11 still hold
     their own bytes, and the honest decode rank's requests (the same id among them) work."""
-    with ranks(*_pair()) as (pre, dec), attacker() as a:
+    with ranks(*_pair()) as (pre, dec), hostile() as a:
         first = a.connect(pre.address).hello()
         assert first is not None and not first.error, first
         conn = a.connect(pre.address)
@@ -204,7 +182,7 @@ def test_a_hello_with_another_decode_ranks_driver_address_does_not_retire_its_li
     and every later honest request on that pair failed as "stale". Fixed: a Hello whose
     endpoint names another live pair's driver address is refused; later honest requests
     succeed."""
-    with ranks(*_pair()) as (pre, dec), attacker("src") as a:
+    with ranks(*_pair()) as (pre, dec), hostile("src") as a:
         _honest(pre, dec, "r1", [0, 1], [4, 5])
         # The decode rank's endpoint, as any prefill rank it says Hello to learns it.
         fake = a.listen()
@@ -242,7 +220,7 @@ def test_a_welcome_with_an_honest_prefills_driver_address_steals_nothing() -> No
     the fake and dropped, so its requests timed out, even after the fake was gone. Fixed: a
     decode rank refuses a Welcome naming a driver address another live pair holds; the honest
     prefill's requests complete, before and after the fake leaves."""
-    with ranks(*_pair()) as (pre, dec), attacker("src") as a:
+    with ranks(*_pair()) as (pre, dec), hostile("src") as a:
         _honest(pre, dec, "r1", [0, 1], [4, 5])
         learned = a.connect(pre.address).hello()  # any peer learns the driver address
         assert learned is not None and not learned.error
@@ -307,7 +285,7 @@ def test_the_roster_refuses_a_rank_beyond_the_tp_size() -> None:
     """Defect: a Join with tp_rank >= tp_size was accepted, and completed a roster of TP 2 with
     rank 1 missing (decode ranks then resolved the group to a rank that cannot exist). Fixed:
     the Joined reply carries an error and a Lookup's roster does not list it."""
-    with ranks(Setup("src", 0, 2, 1, session=ROSTER)) as (server,), attacker("src") as a:
+    with ranks(Setup("src", 0, 2, 1, session=ROSTER)) as (server,), hostile("src") as a:
         conn = a.connect(server.address)
         beyond = conn.join(5, 2, address="tcp://127.0.0.1:9|beyond")
         roster = conn.lookup()
@@ -322,7 +300,7 @@ def test_the_roster_refuses_another_identity_in_a_live_members_place() -> None:
     identity (address, incarnation), replaced it: the next Lookup sent decode ranks to the
     impostor. Fixed: refused while the member is live (the Joined reply carries an error);
     a Lookup's roster still lists the member and not the impostor."""
-    with ranks(Setup("src", 0, 2, 1, session=ROSTER)) as (server,), attacker("src") as a:
+    with ranks(Setup("src", 0, 2, 1, session=ROSTER)) as (server,), hostile("src") as a:
         conn = a.connect(server.address)
         with ranks(Setup("src", 1, 2, 1, group=server.address, session=ROSTER)) as (member,):
             for _ in range(100):  # it joins within a heartbeat
