@@ -478,6 +478,20 @@ def test_xferkit_driver_is_the_only_import_a_driver_needs() -> None:
             assert "from xferkit import" not in source.read_text(), source
 
 
+def test_xferkit_driver_holds_every_error_a_driver_may_raise_or_catch() -> None:
+    """Issue 20: ArgumentError, ManifestError and PlanError were only in xferkit."""
+    import xferkit.driver as d
+    import xferkit.errors as e
+
+    family = {n for n, v in vars(e).items() if isinstance(v, type) and issubclass(v, e.XferError)}
+    assert family >= {"ArgumentError", "OptionError", "XferError"}
+    for name in family:
+        assert getattr(d, name, None) is getattr(e, name) and name in d.__all__, name
+    example = Path(importlib.import_module("xferkit_example").__file__ or "").parent
+    for source in example.glob("*.py"):
+        assert "from xferkit import" not in source.read_text(), source
+
+
 def test_posted_subclass_slots_mean_something() -> None:
     """Before: ``Posted`` declared no ``__slots__``, so every subclass's were ignored."""
     from xferkit.driver import Done, QueuedBatch
