@@ -32,12 +32,14 @@ from .endpoint import Envelope, open_envelope
 from .errors import (
     BoundsError,
     CapabilityError,
+    PluginError,
     ProtocolError,
     RegistrationError,
     TransferError,
     XferError,
     keep_first,
 )
+from .guarded import guard
 from .manifest import Manifest, Region
 from .transfer import Transfer
 
@@ -87,6 +89,18 @@ class Backend(Closing):
         caps = driver.capabilities
         if not isinstance(caps, Capabilities):
             raise CapabilityError(f"driver {driver!r} declares no Capabilities")
+        if caps.notifications:  # Driver's defaults would lose every notification silently
+            missing = [
+                f"{m}()"
+                for m in ("notify", "notifications")
+                if getattr(type(driver), m, None) is getattr(Driver, m)
+            ]
+            if missing:
+                raise CapabilityError(
+                    f"driver {driver.name} declares notifications=True but does not implement "
+                    f"{' and '.join(missing)} (it inherits Driver's default)",
+                    subject=driver.name,
+                )
         self._driver = driver
         self.name: str = driver.name
         self.capabilities: Capabilities = caps
@@ -224,10 +238,21 @@ class Backend(Closing):
                 "memory, so register a manifest first"
             )
         try:
-            blob = msgspec.msgpack.encode(self._driver.endpoint())
+            part = self._driver.endpoint()
             address = str(self._driver.address)
         except Exception as exc:
             raise self._wrap(exc, "building the endpoint") from exc
+        declared = self._driver.Blob
+        if not isinstance(part, declared):  # else only the peer would see it, as a missing field
+            raise PluginError(
+                f"{self.name}: driver endpoint() returned {type(part).__qualname__}, not its "
+                f"declared Blob {declared.__qualname__}",
+                subject=self.name,
+            )
+        try:
+            blob = msgspec.msgpack.encode(part)
+        except Exception as exc:
+            raise self._wrap(exc, "encoding the endpoint") from exc
         env = Envelope(
             self.name,
             CONTRACT_VERSION,
@@ -387,8 +412,8 @@ class Backend(Closing):
 
         def post(batch: Descriptors | None, note: bytes | None) -> Posted:
             if batch is None:
-                return driver.notify(handle, note or b"")
-            return driver.post(handle, batch, note)
+                return guard(driver.name, "notify", driver.notify(handle, note or b""))
+            return guard(driver.name, "post", driver.post(handle, batch, note))
 
         transfer = Transfer(peer, descs, batches, notify, post, self._ended, limit)
         with self._lock:  # nobody else holds it yet: it cannot end between the test and the add

@@ -26,9 +26,12 @@ import pluggy
 from .addresses import AddressTable
 from .descriptors import Descriptors
 from .errors import (
+    ArgumentError,
     BoundsError,
     CapabilityError,
+    ManifestError,
     OptionError,
+    PlanError,
     PluginError,
     ProtocolError,
     RegistrationError,
@@ -203,6 +206,7 @@ __all__ = [
     "CONTRACT_VERSION",
     "INFINIBAND",
     "AddressTable",
+    "ArgumentError",
     "BackendSpec",
     "BatchWorker",
     "BoundsError",
@@ -213,8 +217,10 @@ __all__ = [
     "Driver",
     "DriverOptions",
     "Manifest",
+    "ManifestError",
     "Notification",
     "OptionError",
+    "PlanError",
     "PluginError",
     "Posted",
     "ProtocolError",

@@ -113,6 +113,14 @@ def _problem(f: _Found) -> str | None:
     claims = [g.dist for g in _discover() if g.spec.name == spec.name]
     if len(claims) > 1:
         return f"backend name {spec.name!r} is claimed by several plugins: {', '.join(claims)}"
+    if ":" not in spec.target:
+        module, _, cls = spec.target.rpartition(".")
+        fixed = f"{module}:{cls}"
+        hint = f"; write {fixed!r}" if module else ""
+        return (
+            f"plugin {f.dist}: target {spec.target!r} is not of the form "
+            f"'package.module:Class' (a colon before the class){hint}"
+        )
     if spec.contract != CONTRACT_VERSION:
         return (
             f"plugin {f.dist} implements backend contract {spec.contract}, "
@@ -180,6 +188,20 @@ def _load(f: _Found) -> type[Driver]:
     return cls
 
 
+def _unknown(name: str) -> str:
+    """Why ``name`` opens nothing: the backend names there are, and plugins that gave none."""
+    found = _discover()
+    names = sorted({f.spec.name for f in found if f.broken is None})
+    text = f"no backend named {name!r}; backends: {names}"
+    empty = [f.broken for f in found if f.broken is not None]
+    if empty:
+        text += f"; {len(empty)} plugin(s) registered no backend: " + "; ".join(empty)
+    return (
+        f"{text}. xferkit finds plugins in the 'xferkit' entry-point group "
+        "([project.entry-points.xferkit] in the plugin's pyproject.toml)"
+    )
+
+
 def open_backend(name: str, **options: Any) -> Backend:
     """A ready backend by name, with ``options`` for its driver.
 
@@ -190,8 +212,7 @@ def open_backend(name: str, **options: Any) -> Backend:
     expect(name, str, "open_backend() (a backend name)")
     matches = [f for f in _discover() if f.spec.name == name]
     if not matches:
-        known = sorted({f.spec.name for f in _discover()})
-        raise PluginError(f"no backend named {name!r}; installed: {known}", subject=name)
+        raise PluginError(_unknown(name), subject=name)
     found = matches[0]
     reason = _problem(found)
     if reason is not None:

@@ -203,7 +203,7 @@ class Transfer:
             pairs = list(zip(self._running, states, strict=True))
             failed = next((p for p, st in pairs if st is Status.FAILED), None)
             if failed is not None:
-                self._fail(failed.error)
+                self._fail(failed.error, getattr(failed, "cause", None))
                 return
             self._running = [p for p, st in pairs if st is Status.PENDING]
             if self._running:

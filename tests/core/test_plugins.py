@@ -478,6 +478,20 @@ def test_xferkit_driver_is_the_only_import_a_driver_needs() -> None:
             assert "from xferkit import" not in source.read_text(), source
 
 
+def test_xferkit_driver_holds_every_error_a_driver_may_raise_or_catch() -> None:
+    """Issue 20: ArgumentError, ManifestError and PlanError were only in xferkit."""
+    import xferkit.driver as d
+    import xferkit.errors as e
+
+    family = {n for n, v in vars(e).items() if isinstance(v, type) and issubclass(v, e.XferError)}
+    assert family >= {"ArgumentError", "OptionError", "XferError"}
+    for name in family:
+        assert getattr(d, name, None) is getattr(e, name) and name in d.__all__, name
+    example = Path(importlib.import_module("xferkit_example").__file__ or "").parent
+    for source in example.glob("*.py"):
+        assert "from xferkit import" not in source.read_text(), source
+
+
 def test_posted_subclass_slots_mean_something() -> None:
     """Before: ``Posted`` declared no ``__slots__``, so every subclass's were ignored."""
     from xferkit.driver import Done, QueuedBatch
@@ -486,3 +500,51 @@ def test_posted_subclass_slots_mean_something() -> None:
         Done().anything = 1  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
         QueuedBatch(None, b"x").anything = 1  # type: ignore[attr-defined]
+
+
+# -- messages that say what to fix (issue 20) -------------------------------------------------
+
+
+def test_an_unknown_name_lists_backend_names_and_the_plugin_that_registered_none(install):
+    """A hook left unmarked: its entry-point name cannot be opened, so it is not offered."""
+    install.dist(
+        "fakeplug-tcp",
+        {
+            "tcpdriver_entry": _plugin(
+                "BackendSpec(name='tcp', target='tcpdriver_heavy:FakeDriver')", marked=False
+            ),
+            "tcpdriver_heavy": HEAVY.format(name="tcp"),
+        },
+        {"tcp-driver": "tcpdriver_entry"},
+    )
+    with pytest.raises(PluginError) as exc:
+        open_backend("tcp")
+    text = str(exc.value)
+    offered = text.split("backends: ", 1)[1].split("]", 1)[0]
+    assert "'loopback'" in offered and "tcp-driver" not in offered
+    assert "fakeplug-tcp" in text and "registered no" in text and "@xferkit.driver.hookimpl" in text
+
+
+def test_an_unknown_name_says_which_entry_point_group_xferkit_reads():
+    with pytest.raises(PluginError) as exc:
+        open_backend("not-installed-anywhere")
+    assert "'xferkit' entry-point group" in str(exc.value)
+    assert "[project.entry-points.xferkit]" in str(exc.value)
+
+
+def test_a_target_written_with_a_dot_says_the_form_expected(install):
+    install.dist(
+        "fakeplug-dotted",
+        {
+            "dotted_entry": _plugin("BackendSpec(name='dotted', target='dotted_heavy.FakeDriver')"),
+            "dotted_heavy": HEAVY.format(name="dotted"),
+        },
+        {"dotted": "dotted_entry"},
+    )
+    (info,) = _listed("dotted")
+    assert not info.available and info.reason and "'package.module:Class'" in info.reason
+    with pytest.raises(PluginError) as exc:
+        open_backend("dotted")
+    text = str(exc.value)
+    assert "'dotted_heavy.FakeDriver'" in text and "'dotted_heavy:FakeDriver'" in text
+    assert "fakeplug-dotted" in text
