@@ -172,7 +172,7 @@ def _one_line(run: subprocess.CompletedProcess[str], code: int, *words: str) -> 
         (["--preset", "mla", "--layout", "hnd"], 2, ["mla", "head axis"]),
         (["--page", "16:24"], 2, ["16:24", "multiple"]),
         (["--tp", "3:1", "--quiet"], 2, ["ManifestError", "tp_size 3"]),
-        (["--driver", "nope"], 3, ["'nope'", "installed"]),
+        (["--driver", "nope"], 3, ["'nope'", "backends: ["]),
         (["--driver", "example"], 3, ["cross_process=False"]),
         (["--driver", "loopback", "-o", "colour=blue"], 3, ["bad option", "colour"]),
         (["raw", "--blocks", "4Q"], 2, ["4Q"]),

@@ -4,7 +4,8 @@ Posts, polls, aborts, connects and disconnects run here, never on the control
 thread, so that no driver call (NIXL copies host memory inside its post) can
 delay a heartbeat. Each action comes from the protocol core; each result goes
 back to it through ``report`` (the shell's event queue): ``("connected",
-ident, peer, generation, error)`` and ``("write_ended", wid, error)``. A post that
+ident, peer, generation, error)``, ``("write_ended", wid, error)`` and, for a poll,
+``("writes_ended", [(wid, error), ...])``. A post that
 waited past its ``not_after`` (this process was paused) is refused, not made.
 """
 
@@ -180,6 +181,7 @@ class DataPlane:
         now = time.monotonic()
         with self._cond:
             inflight = list(self._inflight.items())
+        ended: list[tuple[int, str]] = []
         for wid, t in inflight:
             st = t.poll()
             if st is Status.PENDING:
@@ -191,4 +193,6 @@ class DataPlane:
             with self._cond:
                 del self._inflight[wid]
             self._cancelled.pop(wid, None)
-            self.report(("write_ended", wid, "" if st is Status.DONE else str(t.error)))
+            ended.append((wid, "" if st is Status.DONE else str(t.error)))
+        if ended:  # one event for the poll: one wake-up, one pass of the core
+            self.report(("writes_ended", ended))

@@ -289,10 +289,15 @@ class Protocol:
         return self.out.take()
 
     def write_ended(self, wid: int, error: str, now: float) -> list[act.Action]:
+        return self.writes_ended([(wid, error)], now)
+
+    def writes_ended(self, ended: list[tuple[int, str]], now: float) -> list[act.Action]:
+        """Writes left the driver (``error``: that one failed)."""
         self._enter(now)
-        down = self.outgoing.write_ended(wid, error)
-        if down is not None and down.peer is not None:
-            self.out.add(act.Disconnect(down.peer))
+        for wid, error in ended:
+            down = self.outgoing.write_ended(wid, error)
+            if down is not None and down.peer is not None:
+                self.out.add(act.Disconnect(down.peer))
         return self.out.take()
 
     def pump(self, rid: str, now: float) -> list[act.Action]:
