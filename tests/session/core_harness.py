@@ -20,8 +20,8 @@ from xferkit.manifest import Manifest
 from xferkit.session import actions as act
 from xferkit.session import wire
 from xferkit.session.core import Settings
-from xferkit.session.handles import RequestError, State
 from xferkit.session.protocol import Protocol
+from xferkit.session.states import RequestError, State
 from xferkit.testing import Reference, gdn_hybrid
 
 SLOTS = {"kv": 64, "state": 16}

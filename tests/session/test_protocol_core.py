@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from xferkit.session import wire
 from xferkit.session.actions import Send
 from xferkit.session.core import MAX_PAIRS, MAX_UNOFFERED_SLOTS
-from xferkit.session.handles import State
 from xferkit.session.protocol import Protocol
+from xferkit.session.states import State
 from xferkit.testing import Reference, gdn_hybrid
 
 

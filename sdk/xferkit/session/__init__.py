@@ -4,9 +4,10 @@ See docs/engine.md for what an engine writes per rank and docs/protocol.md
 for the messages on the wire.
 """
 
-from .handles import STAGES, Receive, RequestError, Send, State
+from .handles import Receive, Send
 from .keys import SessionKeys, keygen
 from .session import Session, fingerprint
+from .states import STAGES, RequestError, State
 from .wire import PROTOCOL_VERSION
 
 __all__ = [

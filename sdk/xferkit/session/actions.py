@@ -21,7 +21,7 @@ from typing import Any
 from ..descriptors import Descriptors
 from ..manifest import Manifest
 from . import wire
-from .handles import RequestError, State
+from .states import RequestError, State
 
 Conn = tuple[Any, ...]
 """A connection: ``(kind, name, ...)``; see the module docstring (a pair's DEALER also

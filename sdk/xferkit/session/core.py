@@ -11,7 +11,6 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,8 +19,8 @@ from ..descriptors import Descriptors
 from ..manifest import Manifest
 from . import actions as act
 from . import wire
-from .handles import RequestError, State
-from .rounds import Slices
+from .rounds import Pending, Slices
+from .states import RequestError, State
 
 log = logging.getLogger("xferkit.session")
 
@@ -41,7 +40,7 @@ MAX_EARLY = 4096
 
 V = TypeVar("V")
 
-PackRunner = Callable[[str, Descriptors], "Future[None]"]
+PackRunner = Callable[[str, Descriptors], Pending]
 """Starts a pack copy of a request off the control thread; its end comes back as a pump."""
 
 

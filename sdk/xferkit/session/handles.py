@@ -7,7 +7,6 @@ for the I/O thread.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Mapping
@@ -15,6 +14,7 @@ from typing import Any, Protocol
 
 from ..errors import XferError
 from ..transfer import seconds
+from .states import RequestError, State
 
 
 class Owner(Protocol):
@@ -22,34 +22,6 @@ class Owner(Protocol):
 
     def _submit(self, command: tuple[Any, ...]) -> None: ...
     def _local_slots(self, slots: object, what: str) -> dict[str, Any]: ...
-
-
-class State(enum.IntEnum):
-    """Ordered so a TP group can all-reduce the minimum (sglang's KVPoll order)."""
-
-    FAILED = 0
-    HANDSHAKING = 1
-    WAITING = 2
-    TRANSFERRING = 3
-    DONE = 4
-
-
-STAGES = ("handshake", "plan", "transfer", "timeout", "abort", "peer lost", "closed", "request")
-"""Where a request can fail; ``RequestError.stage`` is one of these."""
-
-
-class RequestError(XferError):
-    """Why a request failed: the root cause, the same text on both sides of the request.
-
-    ``stage`` is one of ``STAGES``; ``peer`` is the session address of the peer
-    concerned (when there is one).
-    """
-
-    def __init__(self, text: str, *, stage: str, request_id: str, peer: str | None = None) -> None:
-        super().__init__(text, subject=request_id)
-        self.stage = stage
-        self.request_id = request_id
-        self.peer = peer
 
 
 class _Handle:

@@ -25,9 +25,9 @@ from ..planner import Coverage, coverage
 from ..staging import FORCE, stage
 from . import wire
 from .core import Out, Settings, log, stage_text
-from .handles import RequestError, State
 from .pairs import Pairs, Up
 from .rounds import Inbound
+from .states import RequestError, State
 
 
 class Source:

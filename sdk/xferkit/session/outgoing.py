@@ -26,10 +26,10 @@ from .core import (
     remember,
     stage_text,
 )
-from .handles import RequestError, State
 from .pairs import Down
 from .sends import Dst, Ledger, SendRec, unpack_slots
 from .staged import Stager
+from .states import RequestError, State
 
 
 class Outgoing:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from concurrent.futures import Future
+from typing import Protocol
 
 import numpy as np
 
@@ -104,7 +104,14 @@ class Halves:
                 self.busy[h] = None
 
 
-Runner = Callable[[Descriptors], "Future[None]"]
+class Pending(Protocol):
+    """A copy started elsewhere (a ``concurrent.futures.Future`` in the shell)."""
+
+    def done(self) -> bool: ...
+    def result(self) -> object: ...
+
+
+Runner = Callable[[Descriptors], Pending]
 """Starts a pack copy elsewhere (the Session's pack worker) and returns its future."""
 
 
@@ -133,7 +140,7 @@ class Outbound:
         self.unpacking: set[int] = set()  # landed, not yet unpacked (its destination half)
         self.complete = 0  # rounds whose writes completed
         # The round being packed: (index, destination half, wire copies, the pack's future).
-        self.packing: tuple[int, int, Descriptors, Future[None] | None] | None = None
+        self.packing: tuple[int, int, Descriptors, Pending | None] | None = None
 
     @property
     def rounds(self) -> int:

@@ -11,9 +11,9 @@ import numpy as np
 from ..errors import ProtocolError
 from . import wire
 from .core import MAX_EARLY, MAX_UNOFFERED, MAX_UNOFFERED_SLOTS, remember
-from .handles import RequestError
 from .pairs import Down
 from .rounds import Halves, Outbound
+from .states import RequestError
 
 _NONE = np.zeros(0, dtype=np.int64)
 

@@ -1,0 +1,36 @@
+"""What a request's handle reports: its ``State``, and the ``RequestError`` that says why it
+failed. Plain values, shared by the protocol core and the engine-facing handles."""
+
+from __future__ import annotations
+
+import enum
+
+from ..errors import XferError
+
+
+class State(enum.IntEnum):
+    """Ordered so a TP group can all-reduce the minimum (sglang's KVPoll order)."""
+
+    FAILED = 0
+    HANDSHAKING = 1
+    WAITING = 2
+    TRANSFERRING = 3
+    DONE = 4
+
+
+STAGES = ("handshake", "plan", "transfer", "timeout", "abort", "peer lost", "closed", "request")
+"""Where a request can fail; ``RequestError.stage`` is one of these."""
+
+
+class RequestError(XferError):
+    """Why a request failed: the root cause, the same text on both sides of the request.
+
+    ``stage`` is one of ``STAGES``; ``peer`` is the session address of the peer
+    concerned (when there is one).
+    """
+
+    def __init__(self, text: str, *, stage: str, request_id: str, peer: str | None = None) -> None:
+        super().__init__(text, subject=request_id)
+        self.stage = stage
+        self.request_id = request_id
+        self.peer = peer
