@@ -1,8 +1,10 @@
-"""The data-plane worker: the one thread that calls the driver for the control plane.
+"""The data-plane worker: the thread that calls the driver for the control plane.
 
-Posts, polls, aborts, connects and disconnects run here, never on the control
-thread, so that no driver call (NIXL copies host memory inside its post) can
-delay a heartbeat. Each action comes from the protocol core; each result goes
+Polls, aborts, connects, disconnects and every large post run here, never on the
+control thread, so that no driver call (NIXL copies host memory inside its post)
+can delay a heartbeat; a small post (``INLINE_BYTES``) goes out at once from the
+control thread when nothing waits here, as a hand-over would cost more than the
+post. Each action comes from the protocol core; each result goes
 back to it through ``report`` (the shell's event queue): ``("connected",
 ident, peer, generation, error)``, ``("write_ended", wid, error)`` and, for a poll,
 ``("writes_ended", [(wid, error), ...])``. A post that
