@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -157,3 +158,35 @@ def test_session_arguments_are_checked() -> None:
         s.close()
     with pytest.raises(XferError, match="closed"):
         s.offer("c")
+
+
+def test_a_driver_that_works_inside_its_post_never_silences_the_heartbeats() -> None:
+    """NIXL on host memory copies inside its post call. Before, small posts were made on the
+    control thread: a backlog of them delayed the Pongs behind it past dead_after_s and the
+    decode rank declared its live prefill rank lost. A post found to take longer than
+    ``dataplane.INLINE_S`` sends the next ones to the data-plane worker."""
+
+    def slow_posts(call: Call) -> str | None:
+        if call.op == "post":
+            time.sleep(0.05)  # the driver moving the bytes (the GIL released, as NIXL does)
+        return None
+
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    options = {"heartbeat_s": 0.1, "dead_after_s": 0.6}
+    pre = Session(Backend(MockDriver(slow_posts)), ref.srcs[0].manifest, **options)  # type: ignore[arg-type]
+    dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, **options)  # type: ignore[arg-type]
+    try:
+        rids = [f"r{i}" for i in range(30)]  # 30 posts of 50 ms: 1.5 s of driver work
+        sends = [pre.offer(rid) for rid in rids]
+        for s in sends:
+            s.write({"kv": [1]}, last=True)
+        recvs = [dec.expect(rid, [pre.address], {"kv": [2]}) for rid in rids]
+        for h in recvs + sends:
+            with contextlib.suppress(XferError):  # the states below say how each ended
+                h.wait(20)
+        assert {h.poll() for h in recvs + sends} == {State.DONE}, [
+            str(h.error) for h in recvs + sends if h.error
+        ][:2]
+    finally:
+        pre.close()
+        dec.close()

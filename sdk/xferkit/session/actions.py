@@ -74,8 +74,9 @@ class Disconnect:
 class Post:
     """Post one write (data-plane worker); answered by ``Protocol.write_ended(wid, error)``.
 
-    ``not_after`` (on the shell's clock) refuses a post that waited past it: a rank that
-    was paused must not write into memory its peer may have reused meanwhile.
+    ``made`` is when the core asked for it and ``horizon`` how long a pause may last before
+    its peer may have declared this rank lost and reused the memory: a post still queued
+    when the worker finds it was itself stopped that long after ``made`` is refused.
     """
 
     wid: int
@@ -83,7 +84,8 @@ class Post:
     descs: Descriptors
     note: bytes | None
     timeout: float
-    not_after: float
+    made: float
+    horizon: float
 
 
 @dataclass(slots=True, frozen=True)

@@ -2,13 +2,14 @@
 
 Polls, aborts, connects, disconnects and every large post run here, never on the
 control thread, so that no driver call (NIXL copies host memory inside its post)
-can delay a heartbeat; a small post (``INLINE_BYTES``) goes out at once from the
-control thread when nothing waits here, as a hand-over would cost more than the
-post. Each action comes from the protocol core; each result goes
+can delay a heartbeat; a small post (``INLINE_BYTES``) of a driver whose posts
+are quick (``INLINE_S``) goes out at once from the control thread when nothing
+waits here, as a hand-over would cost more than the post. Each action comes from the protocol core; each result goes
 back to it through ``report`` (the shell's event queue): ``("connected",
 ident, peer, generation, error)``, ``("write_ended", wid, error)`` and, for a poll,
 ``("writes_ended", [(wid, error), ...])``. A post that
-waited past its ``not_after`` (this process was paused) is refused, not made.
+was still queued when this process was stopped for longer than its ``horizon`` is
+refused, not made (the worker sees the stop as a wait that overran).
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ INLINE_DESCRIPTORS = 1024
 the worker: it costs the driver tens of microseconds (a NIXL host copy of 4 MiB: about a
 millisecond), far below any heartbeat, and a hand-over to the worker would cost two thread
 switches on the hot path. Larger posts, and every poll, run on the worker."""
+
+INLINE_S = 5e-4
+SLOW_S = 1.0
+"""An inline post that took longer than ``INLINE_S`` (a driver that moves the bytes inside its
+post, as NIXL on host memory does) sends the posts of the next ``SLOW_S`` to the worker: under
+load a backlog of such posts on the control thread delayed the heartbeats behind it by
+seconds, and a decode rank declared its live prefill rank lost."""
+
+STALL_S = 0.05
+"""A wait that overran by more than this counts as the process having been stopped."""
 
 AWAKE_S = 0.2
 """How long the worker keeps waking every ``POLL_S`` after its last work: a write posted
@@ -58,6 +69,8 @@ class DataPlane:
         self._stopping = False
         self._posted = False  # a post was made since the last poll
         self._awake_until = 0.0  # polling every POLL_S until then, even with nothing in flight
+        self._slow_until = 0.0  # posts go to the worker until then (see INLINE_S)
+        self._stall = (0.0, 0.0)  # the last time this worker was stopped: (since, for how long)
         self._last: Transfer | None = None  # the last write posted on the caller's thread
         self.behind = False  # that write was still running when the next one was made
         self._thread = threading.Thread(target=self._run, name=f"xferkit-data-{name}", daemon=True)
@@ -71,14 +84,17 @@ class DataPlane:
     def post(self, action: act.Post) -> None:
         """Make a small post now (see ``INLINE_BYTES``), else queue it for the worker."""
         d = action.descs
+        now = time.monotonic()
         with self._cond:
             later = bool(self._queue) or len(d) > INLINE_DESCRIPTORS or d.total_bytes > INLINE_BYTES
-            idle = not self._inflight and time.monotonic() > self._awake_until
-        if later:
+            idle = not self._inflight and now > self._awake_until
+        if later or now < self._slow_until:
             self.submit([action])
             return
         last = self._last
         self._do(action)
+        if time.monotonic() - now > INLINE_S:  # this driver works inside its post
+            self._slow_until = time.monotonic() + SLOW_S
         self._last = self._inflight.get(action.wid)
         if last is not None and last.poll() is Status.PENDING:
             self.behind = True  # the driver has not caught up: its threads need the GIL
@@ -115,7 +131,11 @@ class DataPlane:
                     else:  # just after work: wake often, so a write posted inline is seen soon
                         left = POLL_S if now < self._awake_until else 0.05
                     if left > 0:
+                        asleep = time.monotonic()
                         self._cond.wait(left)
+                        over = time.monotonic() - asleep - left
+                        if over > STALL_S:  # the process was stopped (SIGSTOP, a frozen VM)
+                            self._stall = (asleep, over)
                 todo = list(self._queue)
                 self._queue.clear()
             for action in todo:
@@ -138,7 +158,8 @@ class DataPlane:
 
     def _do(self, action: act.Action) -> None:
         if isinstance(action, act.Post):
-            if time.monotonic() > action.not_after:
+            start, length = self._stall
+            if action.made < start and length > action.horizon:
                 self.report(
                     (
                         "write_ended",

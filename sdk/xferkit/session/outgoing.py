@@ -261,8 +261,8 @@ class Outgoing:
         dst.down.writes += 1
         note = wire.encode(tag) if self.s.notifying else None
         left = max(rec.deadline - now, 0.001)
-        horizon = now + max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
-        self.out.add(act.Post(wid, dst.down.peer, descs, note, left, horizon))
+        horizon = max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
+        self.out.add(act.Post(wid, dst.down.peer, descs, note, left, now, horizon))
         if rec.handle is not None:
             self.out.move(rec.handle, State.TRANSFERRING)
 
