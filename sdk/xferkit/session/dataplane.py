@@ -4,12 +4,13 @@ Polls, aborts, connects, disconnects and every large post run here, never on the
 control thread, so that no driver call (NIXL copies host memory inside its post)
 can delay a heartbeat; a small post (``INLINE_BYTES``) of a driver whose posts
 are quick (``INLINE_S``) goes out at once from the control thread when nothing
-waits here, as a hand-over would cost more than the post. Each action comes from the protocol core; each result goes
-back to it through ``report`` (the shell's event queue): ``("connected",
-ident, peer, generation, error)``, ``("write_ended", wid, error)`` and, for a poll,
-``("writes_ended", [(wid, error), ...])``. A post that
-was still queued when this process was stopped for longer than its ``horizon`` is
-refused, not made (the worker sees the stop as a wait that overran).
+waits here, as a hand-over would cost more than the post. Each action comes from
+the protocol core; each result goes back to it through ``report`` (the shell's
+event queue): ``("connected", ident, peer, generation, error)``,
+``("write_ended", wid, error)`` and, for a poll, ``("writes_ended", [(wid,
+error), ...])``. A post still queued when this process was stopped for longer
+than its ``horizon`` is refused, not made (the worker sees the stop as a wait
+that overran).
 """
 
 from __future__ import annotations
