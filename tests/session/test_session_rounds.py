@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from xferkit import coverage
 from xferkit.copier import CPU
 from xferkit.descriptors import Descriptors
-from xferkit.session.rounds import Halves, Inbound, Outbound, Slices
+from xferkit.session.rounds import ALIGN, Arena, Halves, Inbound, Outbound
 from xferkit.staging import PATHS, stage
 from xferkit.testing import Reference, RegionSpec, execute
 
@@ -123,12 +123,46 @@ def _two_chunks(
         ref.check(di, {"kv": (src_slots, dst_slots)})
 
 
-def test_slices_hand_out_each_slice_once_and_take_it_back() -> None:
-    s = Slices(1000, 350, 100)
-    got = [s.take() for _ in range(4)]
-    assert got == [1000, 1100, 1200, None]
-    s.give(1100)
-    s.give(1100)  # twice: once
-    assert s.take() == 1100 and s.take() is None
-    assert s.half == 50
-    assert Slices(0, 100, 0).take() is None
+def test_the_arena_hands_out_pieces_sized_to_their_chunks_and_merges_them_back() -> None:
+    base = 1 << 20
+    a = Arena(base, 8 * ALIGN + ALIGN // 2, 4 * ALIGN)  # a part unit at the end: unused
+    assert a.half == 2 * ALIGN
+    got = [a.take(n) for n in (1, ALIGN + 1, 3 * ALIGN, 4 * ALIGN)]
+    # aligned first fit: 1 unit, 2 units, 3 units; 4 units no longer fit in the 2 left
+    assert got == [base, base + ALIGN, base + 3 * ALIGN, None]
+    assert a.take(4 * ALIGN + 1) is None  # over slice_bytes: never
+    a.give(base + ALIGN)
+    a.give(base + ALIGN)  # twice: once
+    assert a.free == 4 * ALIGN
+    assert a.take(2 * ALIGN) == base + ALIGN  # the gap it left
+    for start in (base, base + ALIGN, base + 3 * ALIGN):
+        a.give(start)
+    assert a.free == 8 * ALIGN and a._gaps == [(base, 8 * ALIGN)]  # one gap again
+    assert Arena(0, 100, 0).take(1) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * ALIGN)), max_size=60))
+def test_arena_pieces_never_overlap_and_all_come_back(ops: list[tuple[bool, int]]) -> None:
+    base, size = 1 << 30, 16 * ALIGN
+    a = Arena(base, size, 5 * ALIGN)
+    held: dict[int, int] = {}
+    for take, n in ops:
+        if take or not held:
+            start = a.take(n)
+            if start is None:
+                # only when no gap of the aligned size is left
+                assert all(g[1] < -(-n // ALIGN) * ALIGN for g in a._gaps)
+                continue
+            end = start + -(-n // ALIGN) * ALIGN
+            assert base <= start and end <= base + size
+            assert all(end <= s or start >= s + m for s, m in held.items())
+            held[start] = end - start
+        else:
+            start = sorted(held)[n % len(held)]
+            a.give(start)
+            del held[start]
+            assert a.free == size - sum(held.values())
+    for start in list(held):
+        a.give(start)
+    assert a.free == size and len(a._gaps) == 1

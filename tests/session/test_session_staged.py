@@ -17,6 +17,7 @@ import pytest
 import xferkit as xk
 from xferkit.session import RequestError, Session, State, wire
 from xferkit.testing import Reference, RegionSpec
+from xferkit_loopback import Faults
 
 HEADS, DIM, PAGE, PAGES = 8, 32, 16, 48
 
@@ -30,18 +31,23 @@ def _specs() -> list[RegionSpec]:  # NHD pages of a GQA layer set: strided under
 
 
 class Ranks:
-    def __init__(self, src_tp: int, dst_tp: int, **session: object) -> None:
+    def __init__(
+        self, src_tp: int, dst_tp: int, faults: Faults | None = None, **session: object
+    ) -> None:
         slots = {"kv": PAGES}
         self.ref = Reference(
             _specs(), src_tp=src_tp, dst_tp=dst_tp, src_slots=slots, dst_slots=slots
         )
-        self.pre = [self._session(r.manifest, session) for r in self.ref.srcs]
+        self.pre = [self._session(r.manifest, session, faults) for r in self.ref.srcs]
         self.dec = [self._session(r.manifest, session) for r in self.ref.dsts]
         self.sources = [p.address for p in self.pre]
 
     @staticmethod
-    def _session(m: xk.Manifest, options: dict[str, object]) -> Session:
-        return Session(xk.open_backend("loopback"), m, **options)  # type: ignore[arg-type]
+    def _session(
+        m: xk.Manifest, options: dict[str, object], faults: Faults | None = None
+    ) -> Session:
+        backend = xk.open_backend("loopback", faults=faults)
+        return Session(backend, m, **options)  # type: ignore[arg-type]
 
     def run(self, rid: str, src: list[int], dst: list[int], chunks: int = 1) -> list[State]:
         recvs = [d.expect(rid, self.sources, {"kv": dst}) for d in self.dec]
@@ -52,8 +58,10 @@ class Ranks:
                 s.write({"kv": part}, last=i == len(parts) - 1)
         return [h.wait(20) for h in recvs + sends]
 
-    def free_slices(self) -> list[int]:
-        return [len(s._protocol.s.slices._free) for s in self.pre + self.dec]
+    def staging_back(self) -> bool:
+        """Every Session's staging is one free gap again: every piece came back."""
+        arenas = [s._protocol.s.arena for s in self.pre + self.dec]
+        return all(a.free == a.size for a in arenas)
 
     def close(self) -> None:
         for s in self.pre + self.dec:
@@ -82,13 +90,13 @@ def test_the_cost_model_stages_nhd_heterogeneous_tp_and_bytes_are_exact(ranks: R
         for route in down.staged.routes.values()
     }
     assert routes and routes <= {"pack", "unpack", "both"}, routes
-    assert ranks.free_slices() == [4] * len(ranks.free_slices())  # every slice came back
+    assert ranks.staging_back()  # every piece came back
 
 
 def test_more_requests_than_slices_all_complete_and_return_their_staging(ranks: Ranks) -> None:
     for n in range(10):  # each takes a slice per chunk on each side: more than the 4 there are
         assert set(ranks.run(f"r{n}", [n, n + 1], [2 * n, 2 * n + 1])) == {State.DONE}
-    assert ranks.free_slices() == [4] * len(ranks.free_slices())
+    assert ranks.staging_back()
 
 
 def test_an_aborted_staged_request_returns_its_staging_and_writes_nothing_after(
@@ -111,7 +119,89 @@ def test_an_aborted_staged_request_returns_its_staging_and_writes_nothing_after(
     for d in ranks.ref.dsts:
         for a in d.arrays.values():
             assert (a[20:44] == 0x5A).all()  # no late round or unpack landed
-    assert ranks.free_slices() == [4] * len(ranks.free_slices())
+    assert ranks.staging_back()
+
+
+def test_chunks_to_many_decode_ranks_all_stage_at_the_default_sizes() -> None:
+    """An engine's shape: a prefill rank writes 3 chunks to each of its 2 decode ranks at once.
+    Fixed 16 MiB slices (4 of them in the default 64 MiB) sent 2 of those 6 small chunks the
+    direct way, one descriptor per token row; pieces sized to their chunks stage all 6."""
+    r = Ranks(4, 8, staging="auto")
+    try:
+        recvs = [d.expect("r", r.sources, {"kv": list(range(12, 24))}) for d in r.dec]
+        sends = [p.offer("r") for p in r.pre]
+        for i, part in enumerate(np.array_split(np.arange(12), 3)):
+            for h in sends:
+                h.write({"kv": part}, last=i == 2)
+        assert {h.wait(20) for h in recvs + sends} == {State.DONE}
+        assert [h.routes for h in sends] == [xk.Routes(staged=6, direct=0)] * 4
+        for i in range(len(r.dec)):
+            r.ref.check(i, {"kv": (list(range(12)), list(range(12, 24)))})
+        assert r.staging_back()
+    finally:
+        r.close()
+
+
+# One unit (a region's page, 4 of the 8 heads) is 4 KiB: a 16 KiB slice halves into rounds of
+# 2 units, and a chunk of many units needs the whole of the prefill rank's staging.
+FULL = {"staging": "always", "staging_bytes": 1 << 14, "staging_slice_bytes": 1 << 14}
+
+
+def _hold_staging(r: Ranks, rid: str) -> list[xk.Send]:
+    """Request ``rid``, whose first round stalls in the driver: its chunk keeps the staging."""
+    for d in r.dec:
+        d.expect(rid, r.sources, {"kv": list(range(24))})
+    sends = [p.offer(rid) for p in r.pre]
+    for h in sends:
+        h.write({"kv": list(range(24))}, last=True)
+    return sends
+
+
+def test_a_chunk_finding_staging_full_waits_for_it_and_then_stages() -> None:
+    r = Ranks(1, 2, faults=Faults(stall_post_at=1), **FULL)  # type: ignore[arg-type]
+    try:
+        stalled = _hold_staging(r, "a")
+        before = [a[24:48].copy() for d in r.ref.dsts for a in d.arrays.values()]
+        recvs = [d.expect("b", r.sources, {"kv": list(range(24, 48))}) for d in r.dec]
+        (send,) = [p.offer("b") for p in r.pre]
+        send.write({"kv": list(range(24, 48))}, last=True)
+        with pytest.raises(xk.XferError, match="still"):
+            send.wait(1.0)  # waiting for staging, not writing the slower way
+        after = [a[24:48] for d in r.ref.dsts for a in d.arrays.values()]
+        assert all((x == y).all() for x, y in zip(before, after, strict=True))
+        stalled[0].abort(10)  # gives the staging back
+        assert {h.wait(20) for h in [*recvs, send]} == {State.DONE}
+        routes = send.routes
+        assert (routes.staged, routes.direct) == (2, 0) and routes.staging_wait_s >= 1.0
+        for i in range(len(r.dec)):
+            r.ref.check(i, {"kv": (list(range(24, 48)), list(range(24, 48)))})
+        assert r.staging_back()
+    finally:
+        r.close()
+
+
+def test_a_chunk_waiting_for_staging_fails_at_its_deadline_having_written_nothing() -> None:
+    r = Ranks(1, 2, faults=Faults(stall_post_at=1), request_timeout_s=2.0, **FULL)  # type: ignore[arg-type]
+    try:
+        # b's deadline comes before a's, so a still holds the staging when b's passes
+        before = [a[24:48].copy() for d in r.ref.dsts for a in d.arrays.values()]
+        recvs = [d.expect("b", r.sources, {"kv": list(range(24, 48))}) for d in r.dec]
+        (send,) = [p.offer("b") for p in r.pre]
+        time.sleep(0.5)
+        held = _hold_staging(r, "a")
+        send.write({"kv": list(range(24, 48))}, last=True)
+        for h in [*recvs, send]:
+            with pytest.raises(RequestError) as info:
+                h.wait(20)
+            assert info.value.stage == "timeout"
+        assert send.routes.direct == 0 and send.routes.staging_wait_s > 0
+        after = [a[24:48] for d in r.ref.dsts for a in d.arrays.values()]
+        assert all((x == y).all() for x, y in zip(before, after, strict=True))
+        with pytest.raises(RequestError):
+            held[0].wait(20)  # a times out too, later
+        assert r.staging_back()
+    finally:
+        r.close()
 
 
 def test_staging_never_keeps_every_pair_direct() -> None:
@@ -119,7 +209,7 @@ def test_staging_never_keeps_every_pair_direct() -> None:
     try:
         assert set(r.run("r", [1, 2], [3, 4])) == {State.DONE}
         assert all(d.staged is None for p in r.pre for d in p._protocol.pairs.downs.values())
-        assert r.free_slices() == [0] * len(r.free_slices())
+        assert all(s._protocol.s.arena.size == 0 for s in r.pre + r.dec)
         for i in range(len(r.dec)):
             r.ref.check(i, {"kv": ([1, 2], [3, 4])})
     finally:

@@ -7,7 +7,7 @@ for the messages on the wire.
 from .handles import Receive, Send
 from .keys import SessionKeys, keygen
 from .session import Session, fingerprint
-from .states import STAGES, RequestError, State
+from .states import STAGES, RequestError, Routes, State
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "STAGES",
     "Receive",
     "RequestError",
+    "Routes",
     "Send",
     "Session",
     "SessionKeys",

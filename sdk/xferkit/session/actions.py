@@ -21,7 +21,7 @@ from typing import Any
 from ..descriptors import Descriptors
 from ..manifest import Manifest
 from . import wire
-from .states import RequestError, State
+from .states import RequestError, Routes, State
 
 Conn = tuple[Any, ...]
 """A connection: ``(kind, name, ...)``; see the module docstring (a pair's DEALER also
@@ -128,6 +128,14 @@ class Done:
 
 
 @dataclass(slots=True, frozen=True)
+class Routed:
+    """How ``handle``'s request went (``Routes``); comes just before its Done or Failed."""
+
+    handle: Any
+    routes: Routes
+
+
+@dataclass(slots=True, frozen=True)
 class Finished:
     """``rid`` reached a terminal state here: ``Session.progress`` reports it once."""
 
@@ -146,5 +154,6 @@ Action = (
     | Failing
     | Failed
     | Done
+    | Routed
     | Finished
 )

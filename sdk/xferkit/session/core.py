@@ -19,8 +19,8 @@ from ..descriptors import Descriptors
 from ..manifest import Manifest
 from . import actions as act
 from . import wire
-from .rounds import Pending, Slices
-from .states import RequestError, State
+from .rounds import Arena, Pending
+from .states import RequestError, Routes, State
 
 log = logging.getLogger("xferkit.session")
 
@@ -74,7 +74,7 @@ class Settings:
     descriptor_bytes: int = 4096
     copy_cost: float = 1.0
     staging: str = "never"  # "auto", "always" or "never"
-    slices: Slices = field(default_factory=lambda: Slices(0, 0, 0))
+    arena: Arena = field(default_factory=lambda: Arena(0, 0, 0))
     copier: Copier | None = None
     runner: PackRunner | None = None  # starts pack copies off the control thread
     heartbeat_s: float = 1.0
@@ -124,6 +124,9 @@ class Out:
 
     def move(self, handle: Any, state: State) -> None:
         self.actions.append(act.Move(handle, state))
+
+    def routed(self, handle: Any, routes: Routes) -> None:
+        self.actions.append(act.Routed(handle, routes))
 
     def done(self, handle: Any, rid: str) -> None:
         self.actions.append(act.Done(handle))

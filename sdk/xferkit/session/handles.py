@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from ..errors import XferError
 from ..transfer import seconds
-from .states import RequestError, State
+from .states import RequestError, Routes, State
 
 
 class Owner(Protocol):
@@ -33,6 +33,7 @@ class _Handle:
         self._state = State.HANDSHAKING
         self._error: RequestError | None = None
         self._failing: RequestError | None = None
+        self._routes = Routes()
         self._cond = threading.Condition()
 
     def __repr__(self) -> str:
@@ -52,6 +53,11 @@ class _Handle:
         land (it drains); ``poll()`` says FAILED, and the slots are safe to reuse, only once
         no byte can land any more."""
         return self._failing or self._error
+
+    @property
+    def routes(self) -> Routes:
+        """How the request went (chunks by route, waits for staging), once it ended."""
+        return self._routes
 
     @property
     def done(self) -> bool:

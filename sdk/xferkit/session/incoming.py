@@ -18,6 +18,8 @@ abort). Until then the handle is draining: ``failing`` holds the root cause.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from ..errors import PlanError
@@ -26,25 +28,8 @@ from ..staging import FORCE, stage
 from . import wire
 from .core import Out, Settings, log, stage_text
 from .pairs import Pairs, Up
-from .rounds import Inbound
-from .states import RequestError, State
-
-
-class Source:
-    """What a decode request still needs from one source rank, and the staging slice it may
-    write rounds into (0: none; its chunks then go direct)."""
-
-    __slots__ = ("claimed", "inbound", "rank", "seen", "slice", "total")
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.seen, self.total = rank, 0, 0
-        self.slice = 0
-        self.inbound: dict[int, Inbound] = {}  # staged chunk -> its rounds, unpacked as they land
-        self.claimed: dict[str, np.ndarray] = {}  # pool -> the request's slots a chunk named
-
-    @property
-    def complete(self) -> bool:
-        return self.total > 0 and self.seen >= self.total
+from .states import RequestError, Routes, State
+from .unpacking import Source, Unpacker
 
 
 class Recv:
@@ -68,6 +53,8 @@ class Recv:
         self.error: RequestError | None = None
         self.acks: set[str] = set()
         self.drain_until = 0.0
+        self.waiting_since = 0.0  # when it began to wait for staging
+        self.staging_wait_s = 0.0
 
 
 class Incoming:
@@ -78,6 +65,10 @@ class Incoming:
         self.recvs: dict[str, Recv] = {}
         self.gen = 0
         self._coverage: dict[tuple[tuple[str, int], ...], Coverage | PlanError] = {}
+        self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
+        self.unpacker = Unpacker(s)
+
+    now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
 
     def expect(
         self, handle: object, rid: str, spec: tuple[str, ...], slots: dict, registration: int,
@@ -131,12 +122,38 @@ class Incoming:
                     copy_cost=u.welcome.copy_cost,
                     force=FORCE[u.welcome.staging],
                 )
-            if u.staged is not None and u.staged.unpacks(rec.slots):
-                src.slice = self.s.slices.take() or 0  # none free: this source writes direct
+            if u.staged is not None:
+                src.offer = self.unpacker.offer(u.staged, rec.slots)
+        rec.waiting_since = now
+        self._waiting.append(rec)
+        self._serve()
+
+    def _serve(self) -> None:
+        """Give staging to started requests, oldest first, while it fits, and send their
+        Requests; a request waits rather than have its sources go direct, the route the
+        cost model priced worse (its deadline bounds the wait)."""
+        while self._waiting:
+            rec = self._waiting[0]
+            if rec.error is not None or self.recvs.get(rec.rid) is not rec:
+                self._waiting.popleft()
+            elif self.unpacker.take(rec.needed.values()):
+                self._waiting.popleft()  # first: what _request does may serve the next
+                rec.staging_wait_s += self.now - rec.waiting_since
+                self._request(rec)
+            else:
+                return
+
+    def _request(self, rec: Recv) -> None:
         packed = wire.pack_slots(rec.slots)
-        half = self.s.slices.slice_bytes
-        for u in live:
-            need = rec.needed.get(u.address)
+        ups = [self.pairs.ups.get(a) for a in rec.sources]
+        gone = [a for a, u in zip(rec.sources, ups, strict=True) if u is None or not u.ready]
+        if gone:  # its pair went while the request waited for staging
+            why = f"source {gone[0]} went away while the request waited for staging"
+            self.fail(rec, "peer lost", why, gone[0], self.now)
+            return
+        for address, u in zip(rec.sources, ups, strict=True):
+            assert u is not None
+            need = rec.needed.get(address)
             request = wire.Request(
                 rid=rec.rid,
                 gen=rec.gen,
@@ -144,10 +161,10 @@ class Incoming:
                 slots=packed,
                 registration=rec.registration,
                 staging=need.slice if need is not None else 0,
-                staging_bytes=half if need and need.slice else 0,
+                staging_bytes=need.offer if need and need.slice else 0,
             )
             self.out.send(u.conn, request)
-            rec.requested.add(u.address)
+            rec.requested.add(address)
         self.out.move(rec.handle, State.WAITING)
         self._check(rec)
 
@@ -170,15 +187,13 @@ class Incoming:
         if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
             self._release_slices(rec)
             del self.recvs[rec.rid]
+            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s))
             self.out.done(rec.handle, rec.rid)
 
     def _release_slices(self, rec: Recv) -> None:
         """Return ``rec``'s staging: every write into it landed or was confirmed stopped."""
-        for src in rec.needed.values():
-            if src.slice:
-                self.s.slices.give(src.slice)
-                src.slice = 0
-                src.inbound.clear()
+        if self.unpacker.give(rec.needed.values()):
+            self._serve()
 
     def fail(
         self, rec: Recv, stage: str, detail: str, peer: str | None, now: float, *,
@@ -191,6 +206,8 @@ class Incoming:
             rec.acks -= quiet
             self.settle(rec)
             return
+        if rec.started and not rec.requested:  # it waited for staging until now
+            rec.staging_wait_s += now - rec.waiting_since
         text = detail if formatted else stage_text(rec.rid, stage, self.s.where("decode"), detail)
         rec.error = RequestError(text, stage=stage, request_id=rec.rid, peer=peer)
         self.out.failing(rec.handle, rec.error)
@@ -221,6 +238,7 @@ class Incoming:
         self._release_slices(rec)
         if self.recvs.get(rec.rid) is rec:
             del self.recvs[rec.rid]
+            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s))
             self.out.failed(rec.handle, rec.error)
 
     # -- pairs coming and going ------------------------------------------------------
@@ -295,60 +313,16 @@ class Incoming:
         self._check(rec)
 
     def _unpack(self, rec: Recv, up: Up, src: Source, r: wire.Round, now: float) -> bool:
-        """Scatter a staged round that landed in ``src``'s slice into the request's slots, and
-        free its half; False (the request failed) for a round that matches nothing we offered."""
-        inbound = src.inbound.get(r.chunk)
-        problem = ""
-        if inbound is None:
-            try:
-                inbound = src.inbound[r.chunk] = self._inbound(rec, up, src, r)
-            except (PlanError, KeyError) as exc:
-                problem = f"a staged chunk naming {exc}"
-        if inbound is not None:
-            if not 0 <= r.index < len(inbound.req.rounds):
-                problem = f"round {r.index} of a chunk of {len(inbound.req.rounds)}"
-            elif inbound.req.rounds[r.index].dst_bytes:
-                if not src.slice or not inbound.landed(r.index, r.half):
-                    problem = f"round {r.index} landing twice or in staging never offered"
-                else:
-                    msg = wire.Unpacked(rid=rec.rid, gen=rec.gen, chunk=r.chunk, index=r.index)
-                    self.out.send(up.conn, msg)
+        """Unpack a staged round; False (the request failed) for one matching nothing offered."""
+        problem, freed = self.unpacker.landed(rec.slots, up, src, r)
         if problem:
             detail = f"{up.where()} sent {problem}: nothing of it was unpacked"
             self.fail(rec, "transfer", detail, up.address, now)
             return False
+        if freed:
+            msg = wire.Unpacked(rid=rec.rid, gen=rec.gen, chunk=r.chunk, index=r.index)
+            self.out.send(up.conn, msg)
         return True
-
-    def _inbound(self, rec: Recv, up: Up, src: Source, r: wire.Round) -> Inbound:
-        """The rounds of a new staged chunk, cut as the prefill rank cut them; ``PlanError``
-        for one naming slots outside the request, or slots another chunk named (a prefill's
-        chunks move forward: an overlap is forged, and would unpack twice)."""
-        if up.staged is None or up.welcome is None or self.s.copier is None:
-            raise PlanError("a round from a pair without staging")
-        chunk = {}
-        for pool, (first, count, sources) in r.at.items():
-            dst = rec.slots[pool][first : first + count]
-            claimed = src.claimed.get(pool)
-            if claimed is None:
-                claimed = src.claimed[pool] = np.zeros(rec.slots[pool].size, bool)
-            pages = up.staged.plan.pages(pool) or (1, 1)
-            if (
-                dst.size != count
-                or sources > count * pages[1]
-                or claimed[first : first + count].any()
-            ):
-                raise PlanError(f"slots [{first}, +{count}) of pool {pool!r} from {sources}")
-            claimed[first : first + count] = True
-            # Only how many: the sources' slots are the prefill rank's to know.
-            chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
-        half = self.s.slices.half
-        req = up.staged.expand(
-            chunk,
-            src_capacity=up.welcome.slice_bytes // 2,
-            dst_capacity=half if src.slice else 0,
-            direct=False,
-        )
-        return Inbound(req, src.slice, half, self.s.copier)
 
     # -- timers ------------------------------------------------------------------------
 

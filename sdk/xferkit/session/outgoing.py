@@ -42,7 +42,7 @@ class Outgoing:
         self.writes: dict[int, tuple[SendRec, Dst]] = {}
         self._wid = 0
         self.ledger = Ledger()
-        self.stager = Stager(s, self._post, self.fail)
+        self.stager = Stager(s, self._post, self.fail, lambda: self.now)
 
     def _rec(self, rid: str, now: float) -> SendRec:
         rec = self.sends.get(rid)
@@ -231,7 +231,9 @@ class Outgoing:
         if staged is not None:
             descs, chunk = staged
             dst.planned += chunk.out.rounds
+            rec.staged += 1
         else:
+            rec.direct += 1
             try:
                 descs = plan.expand(request)
             except PlanError as exc:
@@ -311,6 +313,7 @@ class Outgoing:
         self.stager.release(rec)
         del self.sends[rec.rid]
         remember(self.ledger.finished, rec.rid, None)
+        self.out.routed(rec.handle, rec.routes)
         self.out.done(rec.handle, rec.rid)
 
     def fail(
@@ -343,6 +346,7 @@ class Outgoing:
         self.failing.pop(rec.rid, None)
         self.stager.release(rec)  # every write of it ended: nothing reads the slices
         if rec.handle is not None:  # the engine learns first: a peer's answer may be read at once
+            self.out.routed(rec.handle, rec.routes)
             self.out.failed(rec.handle, rec.error)
         else:  # not offered yet: offer() will report it
             self.ledger.failed_early(rec.rid, rec.error)

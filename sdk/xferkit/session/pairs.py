@@ -284,7 +284,7 @@ class Pairs:
             staging=s.staging,
             descriptor_bytes=s.descriptor_bytes,
             copy_cost=s.copy_cost,
-            slice_bytes=s.slices.slice_bytes,
+            slice_bytes=s.arena.slice_bytes,
         )
 
     def drop_down(self, down: Down) -> None:

@@ -53,7 +53,7 @@ class Protocol:
         (SIGSTOP, a frozen VM) long enough for its decode ranks to declare it lost and reuse
         their slots: nothing more is written to them before a new handshake."""
         last, self.last = self.last, now
-        self.outgoing.now = now
+        self.outgoing.now = self.incoming.now = now
         gap = 0.0 if last is None else now - last
         if gap > self.s.dead_after_s - self.s.heartbeat_s and self.pairs.downs:
             why = (

@@ -1,18 +1,21 @@
-"""Staged chunks in flight: staging slices, and rounds through their two halves.
+"""Staged chunks in flight: staging space, and rounds through their two halves.
 
-A Session registers one staging buffer with its backend and hands out fixed
-slices, one per staged (chunk, peer) at a time, returned when the chunk ends in
-any state. Each slice is used as two halves, so packing round k+1 (or
-unpacking round k-1) overlaps the wire copy of round k. The source posts
-round k into half ``k % 2`` of both sides once the round that last used
-those halves has left its own half (its write completed) and been unpacked
-from the destination's half (the destination said so). Both sides cut the
-same rounds from the same plan, chunk and half sizes (``StagedPlan.expand``); the
-chunks of one request share the decode rank's slice, half by half (``Halves``).
+A Session registers one staging buffer with its backend and hands out pieces
+of it (``Arena``), each sized to what one staged (chunk, peer) needs and at
+most ``staging_slice_bytes``, returned when the chunk ends in any state. Each
+piece is used as two halves, so packing round k+1 (or unpacking round k-1)
+overlaps the wire copy of round k. The source posts round k into half
+``k % 2`` of both sides once the round that last used those halves has left
+its own half (its write completed) and been unpacked from the destination's
+half (the destination said so). Both sides cut the same rounds from the same
+plan, chunk and capacities (``StagedPlan.expand``: half the slice size on the
+source, half the offered piece on the destination); the chunks of one request
+share the decode rank's piece, half by half (``Halves``).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Callable
 from typing import Protocol
@@ -49,36 +52,71 @@ class Staging:
                 (*manifest.regions, region), manifest.tp_rank, manifest.tp_size, manifest.dropped
             )
 
-    def slices(self, slice_bytes: int) -> Slices:
+    def arena(self, slice_bytes: int) -> Arena:
         size = self.buffer.size
-        return Slices(int(self.buffer.ctypes.data) if size else 0, size, slice_bytes if size else 0)
+        return Arena(int(self.buffer.ctypes.data) if size else 0, size, slice_bytes if size else 0)
 
 
-class Slices:
-    """Fixed-size slices of one buffer; ``take`` returns None when all are out."""
+ALIGN = 64  # staging pieces start on cache lines (a copy into one never shares a line)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class Arena:
+    """Pieces of one staging buffer, each as large as its chunk needs (first fit, aligned,
+    at most ``slice_bytes``); ``take`` returns None while no gap holds one.
+
+    Sized pieces let hundreds of small chunks stage at once where fixed slices of
+    ``slice_bytes`` served a handful (a 20 KiB chunk held a 16 MiB slice).
+    """
 
     def __init__(self, base: int, size: int, slice_bytes: int) -> None:
-        count = size // slice_bytes if slice_bytes else 0
         self.slice_bytes = slice_bytes
-        self._free = [base + i * slice_bytes for i in range(count)][::-1]
-        self._out: set[int] = set()
+        self.size = size - size % ALIGN if slice_bytes else 0
+        self._gaps: list[tuple[int, int]] = [(base, self.size)] if self.size else []
+        self._out: dict[int, int] = {}  # start -> length
 
     @property
     def half(self) -> int:
         """Bytes one round may use of one side: half a slice."""
         return self.slice_bytes // 2
 
-    def take(self) -> int | None:
-        if not self._free:
-            return None
-        addr = self._free.pop()
-        self._out.add(addr)
-        return addr
+    @property
+    def free(self) -> int:
+        return sum(n for _, n in self._gaps)
 
-    def give(self, addr: int) -> None:
-        if addr in self._out:  # giving twice (failure racing completion) is harmless
-            self._out.remove(addr)
-            self._free.append(addr)
+    def take(self, nbytes: int) -> int | None:
+        """The start of ``nbytes`` (rounded up to ``ALIGN``) of staging, or None."""
+        n = aligned(max(nbytes, 1))
+        if n > self.slice_bytes:
+            return None
+        for i, (start, length) in enumerate(self._gaps):
+            if length >= n:
+                if length == n:
+                    del self._gaps[i]
+                else:
+                    self._gaps[i] = (start + n, length - n)
+                self._out[start] = n
+                return start
+        return None
+
+    def give(self, start: int) -> None:
+        """Return a piece (giving one twice, as a failure racing completion may, is
+        harmless); neighbouring gaps merge, so a quiet arena is one gap again."""
+        n = self._out.pop(start, None)
+        if n is None:
+            return
+        gaps = self._gaps
+        i = bisect.bisect(gaps, (start, 0))
+        if i < len(gaps) and gaps[i][0] == start + n:  # the gap after
+            n += gaps.pop(i)[1]
+        if i and gaps[i - 1][0] + gaps[i - 1][1] == start:  # the gap before
+            start, n = gaps[i - 1][0], gaps[i - 1][1] + n
+            i -= 1
+            gaps.pop(i)
+        gaps.insert(i, (start, n))
 
 
 class Halves:

@@ -13,18 +13,21 @@ from . import wire
 from .core import MAX_EARLY, MAX_UNOFFERED, MAX_UNOFFERED_SLOTS, remember
 from .pairs import Down
 from .rounds import Halves, Outbound
-from .states import RequestError
+from .states import RequestError, Routes
 
 _NONE = np.zeros(0, dtype=np.int64)
 
 
 class Chunk:
-    """One staged chunk to one decode rank: its rounds and the slice they pack into."""
+    """One staged chunk to one decode rank: its rounds and the piece of staging they pack
+    into (``slice``, 0 until it has one; ``need``: its size, 0 when it packs nothing)."""
 
-    __slots__ = ("at", "index", "out", "slice")
+    __slots__ = ("at", "index", "need", "out", "slice", "waiting_since")
 
-    def __init__(self, index: int, out: Outbound, slice_: int, at: dict) -> None:
-        self.index, self.out, self.slice, self.at = index, out, slice_, at
+    def __init__(self, index: int, out: Outbound, need: int, at: dict) -> None:
+        self.index, self.out, self.need, self.at = index, out, need, at
+        self.slice = 0
+        self.waiting_since = 0.0
 
 
 def unpack_slots(slots: dict[str, bytes]) -> dict[str, np.ndarray]:
@@ -130,6 +133,12 @@ class SendRec:
         self.waiting = False  # counted among the requests not offered yet
         self.ack: Down | None = None  # once failing: the decode rank answered with AbortAck
         self.gone: Down | None = None  # once failing: the decode rank told nothing
+        self.staging_wait_s = 0.0  # its chunks' waits for a piece of staging, summed
+        self.staged = self.direct = 0  # its chunks (per decode place) by route
+
+    @property
+    def routes(self) -> Routes:
+        return Routes(self.staged, self.direct, self.staging_wait_s)
 
     @property
     def pending(self) -> bool:

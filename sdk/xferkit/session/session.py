@@ -182,7 +182,7 @@ class Session(Closing):
             descriptor_bytes=caps.descriptor_bytes,
             copy_cost=caps.copy_cost,
             staging=staging,
-            slices=self._staging.slices(staging_slice_bytes),
+            arena=self._staging.arena(staging_slice_bytes),
             copier=copier,
             runner=shell.runner,
             heartbeat_s=self.heartbeat_s,

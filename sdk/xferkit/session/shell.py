@@ -324,6 +324,8 @@ class Shell:
                 self.data.post(a)  # small ones at once (dataplane.INLINE_BYTES)
             elif isinstance(a, act.Post | act.Cancel | act.Connect | act.Disconnect):
                 driver.append(a)
+            elif isinstance(a, act.Routed):
+                a.handle._routes = a.routes
             elif isinstance(a, act.Done):
                 a.handle._done()
             elif isinstance(a, act.Failed):

@@ -1,17 +1,20 @@
 """The prefill side of staged chunks: pack rounds, post them as halves free up, count them.
 
-A chunk goes staged when its pair's routes stage some pool it names and the
-staging it needs is there: a slice of this rank's staging when it packs, the
-slice the decode rank offered in its ``Request`` when it unpacks. Otherwise
-it goes direct (slower, never wrong). Each round is one write whose tag names
-its chunk and round; the decode rank unpacks it on arrival and answers
-``Unpacked``, which frees that half of its slice for round k+2. Packs run off
-the control thread (``Settings.runner``), so that round k+1 packs while round
-k is posted; a finished pack comes back as ``Protocol.pump``.
+A chunk goes staged when its pair's routes stage some pool it names: it packs
+into a piece of this rank's staging sized to its rounds, and unpacks from the
+piece the decode rank offered in its ``Request``. A chunk that finds this
+rank's staging full waits for a piece, oldest first (the time it waited is
+counted on its request), rather than take a route the cost model priced far
+worse: its request's deadline bounds the wait. Each round is one write whose
+tag names its chunk and round; the decode rank unpacks it on arrival and
+answers ``Unpacked``, which frees that half of its piece for round k+2. Packs
+run off the control thread (``Settings.runner``), so that round k+1 packs while
+round k is posted; a finished pack comes back as ``Protocol.pump``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -20,7 +23,7 @@ from ..descriptors import Descriptors
 from ..errors import PlanError
 from . import wire
 from .core import Settings, log
-from .rounds import Outbound, Runner
+from .rounds import Outbound, Runner, aligned
 from .sends import Chunk, Dst, SendRec
 
 PostRound = Callable[[SendRec, Dst, Descriptors, wire.Round], None]
@@ -30,8 +33,11 @@ FailSend = Callable[[SendRec, str, str], None]
 class Stager:
     """Staged chunks of the Sends: planning, posting rounds, credits, giving staging back."""
 
-    def __init__(self, s: Settings, post: PostRound, fail: FailSend) -> None:
-        self.s, self._post, self._fail = s, post, fail
+    def __init__(
+        self, s: Settings, post: PostRound, fail: FailSend, clock: Callable[[], float]
+    ) -> None:
+        self.s, self._post, self._fail, self._clock = s, post, fail, clock
+        self._waiting: deque[tuple[SendRec, Dst, Chunk]] = deque()  # for a piece, oldest first
 
     def _runner(self, rid: str) -> Runner | None:
         run = self.s.runner
@@ -54,39 +60,65 @@ class Stager:
         packs, unpacks = staged.packs(pools), staged.unpacks(pools)
         if not (packs or unpacks) or (unpacks and not dst.staging):
             return None
-        slices = self.s.slices
-        slice_ = slices.take() if packs else 0
-        if packs and slice_ is None:
-            return None  # every slice is out: direct, and slower
+        arena = self.s.arena
         try:
             req = staged.expand(
-                request, src_capacity=slices.half, dst_capacity=dst.staging_bytes // 2
+                request, src_capacity=arena.half, dst_capacity=dst.staging_bytes // 2
             )
         except PlanError as exc:
-            if slice_:
-                slices.give(slice_)
             log.warning("%s: staging request %r: %s; going direct", self.s.address, rec.rid, exc)
             return None
+        # Two halves where rounds alternate, one where a single round holds the chunk.
+        half = min(aligned(req.src_bytes), arena.half) if packs else 0
+        need = half * min(len(req.rounds), 2)  # within the slice: a piece always comes
         out = Outbound(
             req,
-            slice_ or 0,
+            0,
             dst.staging,
-            slices.half,
+            half,
             dst.staging_bytes // 2,
             dst.halves,
             self.s.copier,
             self._runner(rec.rid) if packs else None,
         )
-        chunk = Chunk(dst.chunks, out, slice_ or 0, at)
+        chunk = Chunk(dst.chunks, out, need, at)
         dst.chunks += 1
         dst.staged[chunk.index] = chunk
+        if need:
+            chunk.waiting_since = self._clock()
+            self._waiting.append((rec, dst, chunk))
+            self._serve()
         return req.direct, chunk
+
+    def _serve(self) -> list[tuple[SendRec, Dst]]:
+        """Give pieces to waiting chunks, oldest first, while they fit; their sends."""
+        woken = []
+        now = self._clock()
+        while self._waiting:
+            rec, dst, chunk = self._waiting[0]
+            if rec.error is None and dst.staged.get(chunk.index) is chunk and chunk.need:
+                start = self.s.arena.take(chunk.need)
+                if start is None:
+                    break
+                chunk.slice = chunk.out.src = start
+                rec.staging_wait_s += now - chunk.waiting_since
+                woken.append((rec, dst))
+            self._waiting.popleft()
+        return woken
+
+    def _give(self, chunk: Chunk) -> None:
+        if chunk.slice:
+            self.s.arena.give(chunk.slice)
+            chunk.slice = 0
+        chunk.need = 0
+        for rec, dst in self._serve():
+            self.pump(rec, dst)
 
     def pump(self, rec: SendRec, dst: Dst) -> None:
         """Post every round whose halves are free, oldest chunk first (they share the decode
         rank's halves); give back the slices of chunks whose writes all completed."""
         for chunk in list(dst.staged.values()):
-            while rec.error is None:
+            while rec.error is None and not (chunk.need and not chunk.slice):
                 try:
                     ready = chunk.out.ready()
                 except Exception as exc:  # the copier failed: nothing of the round was sent
@@ -98,8 +130,7 @@ class Stager:
                 r = wire.Round(chunk=chunk.index, index=k, at=chunk.at, half=h)
                 self._post(rec, dst, wire_copies, r)
             if chunk.out.complete == chunk.out.rounds and chunk.slice:
-                self.s.slices.give(chunk.slice)  # every round left it: another chunk may pack
-                chunk.slice = 0
+                self._give(chunk)  # every round left it: another chunk may pack
 
     def written(self, rec: SendRec, dst: Dst, r: wire.Round) -> None:
         chunk = dst.staged.get(r.chunk)
@@ -121,9 +152,9 @@ class Stager:
         for dst in rec.dsts.values():
             for chunk in dst.staged.values():
                 chunk.out.settle()
-                if chunk.slice:
-                    self.s.slices.give(chunk.slice)
-                    chunk.slice = 0
+                if chunk.need and not chunk.slice:  # it waited until the request ended
+                    rec.staging_wait_s += self._clock() - chunk.waiting_since
+                self._give(chunk)
 
     @staticmethod
     def unfinished(dst: Dst) -> bool:

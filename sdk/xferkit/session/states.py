@@ -4,6 +4,7 @@ failed. Plain values, shared by the protocol core and the engine-facing handles.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from ..errors import XferError
 
@@ -20,6 +21,18 @@ class State(enum.IntEnum):
 
 STAGES = ("handshake", "plan", "transfer", "timeout", "abort", "peer lost", "closed", "request")
 """Where a request can fail; ``RequestError.stage`` is one of these."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """How a request went, known once it ended: ``staged`` and ``direct`` count its chunks
+    (one per decode rank written) by route, ``staging_wait_s`` is how long they waited for
+    staging memory (summed; a busy Session queues a chunk rather than send it the slower
+    way). On the decode side the counts are 0: the routes are the prefill rank's choice."""
+
+    staged: int = 0
+    direct: int = 0
+    staging_wait_s: float = 0.0
 
 
 class RequestError(XferError):
