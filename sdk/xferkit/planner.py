@@ -20,7 +20,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .arguments import expect
-from .descriptors import Descriptors
+from .arrays import c_strides
+from .descriptors import Descriptors, merge_neighbours
 from .errors import ArgumentError, PlanError
 from .manifest import PAGE_AXIS, STAGING_POOL, Manifest, Region, RegionKey, key_label
 from .sharding import AxisLayout, Segment, axis_layout
@@ -344,24 +345,13 @@ def _expand_group(g: _Group, pairs: Pairs) -> tuple[int, Fill]:
     return idx.size, fill_joined
 
 
-def _compress(
-    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, start: np.ndarray
-) -> Descriptors:
-    """Merge every piece not flagged as a start into the piece before it."""
-    idx = np.flatnonzero(start)
-    return Descriptors(src[idx], dst[idx], np.add.reduceat(nbytes, idx).astype(np.uint64))
-
-
 def _coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Pieces:
     """Sort pieces by destination and merge neighbours contiguous on both sides."""
     order = np.argsort(dst, kind="stable")
-    src, dst, nbytes = src[order], dst[order], nbytes[order]
-    start = np.ones(src.size, dtype=bool)
-    start[1:] = (src[:-1] + nbytes[:-1] != src[1:]) | (dst[:-1] + nbytes[:-1] != dst[1:])
-    out = _compress(src, dst, nbytes, start)
-    for array in (out.src, out.dst, out.nbytes):
+    out = Pieces(*merge_neighbours(src[order], dst[order], nbytes[order]))
+    for array in out:
         array.setflags(write=False)  # tables are cached and shared between plans
-    return Pieces(out.src, out.dst, out.nbytes)
+    return out
 
 
 # -- pairing ----------------------------------------------------------------
@@ -524,8 +514,8 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
         if problem:
             return problem
         runs = _owned_runs(la, s, lb.segments(d), d)
-    sa = _strides(a.slot_shape, a.itemsize)
-    db = _strides(b.slot_shape, b.itemsize)
+    sa = c_strides(a.slot_shape, a.itemsize)
+    db = c_strides(b.slot_shape, b.itemsize)
     sb = [db[inv[i]] for i in range(ndim)]
     cuts = []
     for _, length, s_at, d_at in runs:
@@ -555,14 +545,6 @@ def _region_pieces(a: _Geometry, s: int, ts: int, b: _Geometry, d: int, td: int)
 
 def _axis(g: _Geometry, i: int) -> str:
     return f"axis {i}" + (f" ({g.axes[i]!r})" if g.axes is not None else "")
-
-
-def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
-    out, step = [0] * len(shape), itemsize
-    for i in range(len(shape) - 1, -1, -1):
-        out[i] = step
-        step *= shape[i]
-    return out
 
 
 Dims = list[tuple[int, int, int]]

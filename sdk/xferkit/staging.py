@@ -29,7 +29,8 @@ from typing import Literal, NamedTuple, get_args
 import numpy as np
 
 from .arguments import expect
-from .descriptors import Descriptors
+from .costs import COPY_COST, copy_cost_problem, descriptor_bytes_problem
+from .descriptors import Descriptors, merge_neighbours
 from .errors import PlanError
 from .manifest import RegionKey, key_label
 from .planner import Pairs, Pieces, Plan, _Group
@@ -41,11 +42,8 @@ Force = Path | Literal["staged"] | None
 FORCE: dict[str, Force] = {"auto": None, "always": "staged"}
 """A Session's ``staging`` setting as ``stage``'s ``force`` ("never" stages nothing)."""
 
-_HUGE = 1 << 62
-
-COPY_COST = 1.0
-"""Default wire-byte equivalents of one locally copied byte (``Capabilities.copy_cost``): the
-driver's large-copy bandwidth over the local copier's."""
+_UNBOUNDED = 1 << 62
+"""A capacity beyond any memory, clear of uint64 overflow when offsets are added to it."""
 
 
 class Route(NamedTuple):
@@ -176,8 +174,7 @@ class StagedPlan:
         for name, cap in (("src_capacity", src_capacity), ("dst_capacity", dst_capacity)):
             if type(cap) is not int or cap < 0:
                 raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
-        # Beyond any memory, a capacity only has to stay clear of uint64 overflow.
-        src_capacity, dst_capacity = min(src_capacity, _HUGE), min(dst_capacity, _HUGE)
+        src_capacity, dst_capacity = min(src_capacity, _UNBOUNDED), min(dst_capacity, _UNBOUNDED)
         slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
         on_wire = self.plan._expand(slots, self._direct) if direct else Descriptors.empty()
         parts: list[tuple[_Staged, Pairs]] = []
@@ -370,15 +367,8 @@ def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> Sta
 
 def _join(d: Descriptors) -> Descriptors:
     """Merge neighbours contiguous on both sides (consecutive staging blocks, runs of slots)."""
-    if len(d) < 2:
-        return d
-    start = np.ones(len(d), dtype=bool)
-    end = d.src[:-1] + d.nbytes[:-1]
-    start[1:] = (end != d.src[1:]) | (d.dst[:-1] + d.nbytes[:-1] != d.dst[1:])
-    idx = np.flatnonzero(start)
-    if idx.size == len(d):
-        return d
-    return Descriptors(d.src[idx], d.dst[idx], np.add.reduceat(d.nbytes, idx).astype(np.uint64))
+    src, dst, nbytes = merge_neighbours(d.src, d.dst, d.nbytes)
+    return d if src is d.src else Descriptors(src, dst, nbytes)
 
 
 def stage(
@@ -393,10 +383,9 @@ def stage(
     direct; a path a group's pieces cannot take falls back to ``"both"``).
     """
     expect(plan, Plan, "stage(plan, ...)")
-    if type(descriptor_bytes) is not int or descriptor_bytes < 0:
-        raise PlanError(f"descriptor_bytes must be an int >= 0, not {descriptor_bytes!r}")
-    if type(copy_cost) not in (int, float) or not 0 < copy_cost < 1e6:
-        raise PlanError(f"copy_cost must be a number in (0, 1e6), not {copy_cost!r}")
+    problem = descriptor_bytes_problem(descriptor_bytes) or copy_cost_problem(copy_cost)
+    if problem:
+        raise PlanError(problem)
     if force is not None and force not in (*PATHS, "staged"):
         raise PlanError(f"force must be None, 'staged' or one of {PATHS}, not {force!r}")
     groups, routes = [], {}
