@@ -13,31 +13,17 @@ Run: `python benchmarks/bench_copier.py`.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from report import default_out, save
+from report import Column, script, timed
 
 from xferkit.copier import copy_pieces
 
 MIB = 1 << 20
-
-
-def _time(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """Median and best seconds (the machine is shared: the best shows what the code can do)."""
-    fn()  # warm: pages faulted in
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs), min(runs)
 
 
 def _addr(a: np.ndarray) -> int:
@@ -90,42 +76,44 @@ def run(size_mib: int, repeat: int) -> list[dict[str, Any]]:
         for direction, pattern in CASES:
             (pool, packed, nbytes), strided = _case(rng, big, stage, length, pattern)
             args = (packed, pool, nbytes) if direction == "unpack" else (pool, packed, nbytes)
-            seconds, best = _time(functools.partial(copy_pieces, *args), repeat)
+            copier = timed(functools.partial(copy_pieces, *args), repeat, warm=True)
             rows.append(
                 {
                     "case": f"{direction} {length} B",
                     "pattern": pattern,
                     "pieces": len(nbytes),
                     "bytes": half,
-                    "copier_gbps": half / seconds / 1e9,
-                    "copier_best_gbps": half / best / 1e9,
-                    "copyto_strided_gbps": half / _time(strided, repeat)[0] / 1e9,
-                    "memcpy_gbps": half / _time(memcpy, repeat)[0] / 1e9,
-                    "copier_ms": seconds * 1e3,
+                    "copier_gbps": half / copier.median / 1e9,
+                    "copier_best_gbps": half / copier.best / 1e9,
+                    "copyto_strided_gbps": half / timed(strided, repeat, warm=True).median / 1e9,
+                    "memcpy_gbps": half / timed(memcpy, repeat, warm=True).median / 1e9,
+                    "copier_ms": copier.median * 1e3,
                 }
             )
     return rows
 
 
+COLUMNS = [
+    Column("case", "case", width=14, left=True),
+    Column("pattern", "pattern", width=13, left=True),
+    Column("pieces", "pieces", ","),
+    Column("MiB", lambda r: r["bytes"] / MIB, ".0f", 5),
+    Column("copier GB/s", "copier_gbps", ".2f", 13),
+    Column("best", "copier_best_gbps", ".2f", 7),
+    Column("copyto GB/s", "copyto_strided_gbps", ".2f", 13),
+    Column("memcpy GB/s", "memcpy_gbps", ".2f", 13),
+    Column("copier ms", "copier_ms", ".1f", 11),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-mib", type=int, default=128, help="the strided buffer's size")
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--out", default=default_out("copier"))
-    args = parser.parse_args()
-    rows = run(args.size_mib, args.repeat)
-    print(
-        f"{'case':<14}{'pattern':<13}{'pieces':>10}{'MiB':>5}{'copier GB/s':>13}{'best':>7}"
-        f"{'copyto GB/s':>13}{'memcpy GB/s':>13}{'copier ms':>11}"
+    script(
+        "copier",
+        __doc__,
+        run,
+        COLUMNS,
+        {"size_mib": (128, "the strided buffer's size"), "repeat": (7, None)},
     )
-    for r in rows:
-        print(
-            f"{r['case']:<14}{r['pattern']:<13}{r['pieces']:>10,}{r['bytes'] / MIB:>5.0f}"
-            f"{r['copier_gbps']:>13.2f}{r['copier_best_gbps']:>7.2f}"
-            f"{r['copyto_strided_gbps']:>13.2f}"
-            f"{r['memcpy_gbps']:>13.2f}{r['copier_ms']:>11.1f}"
-        )
-    save(args.out, rows, size_mib=args.size_mib, repeat=args.repeat)
 
 
 if __name__ == "__main__":

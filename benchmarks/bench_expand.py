@@ -7,13 +7,12 @@ the planner's cost alone. Run: `make bench` or `python benchmarks/bench_expand.p
 
 from __future__ import annotations
 
-import argparse
+import functools
 import math
-import statistics
 import time
 
 import numpy as np
-from report import default_out, save
+from report import Column, script, timed
 
 import xferkit as xk
 
@@ -109,16 +108,6 @@ def _scan(d: xk.Descriptors, src: xk.Manifest, dst: xk.Manifest) -> None:
         assert m.first_outside(addrs, d.nbytes) < 0
 
 
-def _time(fn, repeat: int) -> float:
-    fn()  # warm
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
-
-
 def run(repeat: int) -> list[dict]:
     rng = np.random.default_rng(0)
     pages = TOKENS // PAGE
@@ -143,6 +132,8 @@ def run(repeat: int) -> list[dict]:
             if has_state:
                 slots["state"] = (np.array([7]), np.array([11]))
             descs = p.expand(slots)
+            expand = timed(functools.partial(p.expand, slots), repeat, warm=True)
+            scan = timed(functools.partial(_scan, descs, src, dst), repeat, warm=True)
             rows.append(
                 {
                     "case": name,
@@ -150,29 +141,28 @@ def run(repeat: int) -> list[dict]:
                     "descriptors": len(descs),
                     "per_token_slot": naive,
                     "bytes": descs.total_bytes,
-                    "expand_us": _time(lambda s=slots, p=p: p.expand(s), repeat) * 1e6,
+                    "expand_us": expand.median * 1e6,
                     "plan_ms": plan_s * 1e3,
-                    "scan_us": _time(lambda d=descs, m=(src, dst): _scan(d, *m), repeat) * 1e6,
+                    "scan_us": scan.median * 1e6,
                 }
             )
     return rows
 
 
+COLUMNS = [
+    Column("case", "case", width=24, left=True),
+    Column("pages", "pages", width=12, left=True),
+    Column("descriptors", "descriptors", ",", 12),
+    Column("per-token", "per_token_slot", ",", 11),
+    Column("MiB", lambda r: r["bytes"] / 2**20, ".1f", 9),
+    Column("expand us", "expand_us", ".0f", 11),
+    Column("plan ms", "plan_ms", ".1f", 9),
+    Column("scan us", "scan_us", ".0f", 9),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=21)
-    parser.add_argument("--out", default=default_out("expand"))
-    args = parser.parse_args()
-    rows = run(args.repeat)
-    head = f"{'case':<24}{'pages':<12}{'descriptors':>12}{'per-token':>11}{'MiB':>9}"
-    print(head + f"{'expand us':>11}{'plan ms':>9}{'scan us':>9}")
-    for r in rows:
-        print(
-            f"{r['case']:<24}{r['pages']:<12}{r['descriptors']:>12,}{r['per_token_slot']:>11,}"
-            f"{r['bytes'] / 2**20:>9.1f}{r['expand_us']:>11.0f}{r['plan_ms']:>9.1f}"
-            f"{r['scan_us']:>9.0f}"
-        )
-    save(args.out, rows, repeat=args.repeat)
+    script("expand", __doc__, run, COLUMNS, {"repeat": (21, None)})
 
 
 if __name__ == "__main__":

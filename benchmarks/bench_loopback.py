@@ -9,12 +9,11 @@ table and writes benchmarks/results/loopback.json.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import statistics
-import time
 
 import numpy as np
-from report import default_out, save
+from report import Column, check_shuffled, kib, script, shuffled_blocks, timed
 
 import xferkit as xk
 from xferkit.testing.peer import PeerProcess, Setup
@@ -23,24 +22,8 @@ from xferkit.testing.reference import RegionSpec
 SIZES = [4 << 10, 64 << 10, 1 << 20]
 
 
-def _descs(src: int, dst: int, total: int, size: int, rng) -> xk.Descriptors:
-    n = total // size
-    order = rng.permutation(n).astype(np.uint64)
-    offs = np.arange(n, dtype=np.uint64) * np.uint64(size)
-    return xk.Descriptors(
-        np.uint64(src) + offs,
-        np.uint64(dst) + order * np.uint64(size),
-        np.full(n, size, dtype=np.uint64),
-    )
-
-
-def _median_time(fn, repeat: int) -> float:
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+def _write(b: xk.Backend, peer: xk.Peer, d: xk.Descriptors) -> None:
+    b.write(peer, d).wait()
 
 
 def run(total_mib: int, repeat: int) -> list[dict]:
@@ -79,20 +62,18 @@ def run(total_mib: int, repeat: int) -> list[dict]:
     rows = []
     try:
         for size in SIZES:
-            d_local = _descs(src.ctypes.data, dst.ctypes.data, total, size, rng)
-            d_remote = _descs(src.ctypes.data, remote_addr, total, size, rng)
+            d_local = shuffled_blocks(src.ctypes.data, dst.ctypes.data, total, size, rng)
+            d_remote = shuffled_blocks(src.ctypes.data, remote_addr, total, size, rng)
             local_src.write(peer, d_local).wait()  # warm
             local_src.write(remote, d_remote).wait()
-            t_copy, t_local, t_remote = [], [], []
-            for _ in range(repeat):
-                t_copy.append(_median_time(lambda: np.copyto(dst, src), 1))
-                t_local.append(_median_time(lambda d=d_local: local_src.write(peer, d).wait(), 1))
-                t_remote.append(
-                    _median_time(lambda d=d_remote: local_src.write(remote, d).wait(), 1)
-                )
-            # The moved bytes are right: block i of src sits at block order[i] of dst.
-            order = ((d_local.dst - np.uint64(dst.ctypes.data)) // np.uint64(size)).astype(np.int64)
-            assert np.array_equal(dst.reshape(-1, size)[order], src.reshape(-1, size))
+            t_copy: list[float] = []
+            t_local: list[float] = []
+            t_remote: list[float] = []
+            for _ in range(repeat):  # alternating, so drift hits all three alike
+                t_copy += timed(lambda: np.copyto(dst, src))
+                t_local += timed(functools.partial(_write, local_src, peer, d_local))
+                t_remote += timed(functools.partial(_write, local_src, remote, d_remote))
+            check_shuffled(d_local, src, dst, dst.ctypes.data, size)
             copy_s, local_s, remote_s = (statistics.median(t) for t in (t_copy, t_local, t_remote))
             n = len(d_local)
             rows.append(
@@ -115,25 +96,27 @@ def run(total_mib: int, repeat: int) -> list[dict]:
     return rows
 
 
+COLUMNS = [
+    Column("desc size", kib("descriptor_bytes")),
+    Column("descs", "descriptors", ",", 9),
+    Column("copyto GB/s", "copyto_gbps", ".2f", 13),
+    Column("loopback GB/s", "loopback_gbps", ".2f", 15),
+    Column("ratio", "ratio", ".2f", 7),
+    Column("Mdesc/s", "loopback_mdesc_s", ".2f", 9),
+    Column("x-proc GB/s", "cross_process_gbps", ".2f", 13),
+    Column("ratio", "cross_process_ratio", ".2f", 7),
+    Column("Mdesc/s", "cross_process_mdesc_s", ".2f", 9),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mib", type=int, default=256, help="bytes moved per run, in MiB")
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--out", default=default_out("loopback"))
-    args = parser.parse_args()
-    rows = run(args.mib, args.repeat)
-    print(
-        f"{'desc size':>10}{'descs':>9}{'copyto GB/s':>13}{'loopback GB/s':>15}{'ratio':>7}"
-        f"{'Mdesc/s':>9}{'x-proc GB/s':>13}{'ratio':>7}{'Mdesc/s':>9}"
+    script(
+        "loopback",
+        __doc__,
+        run,
+        COLUMNS,
+        {"mib": (256, "bytes moved per run, in MiB"), "repeat": (7, None)},
     )
-    for r in rows:
-        print(
-            f"{r['descriptor_bytes'] >> 10:>8}Ki{r['descriptors']:>9,}{r['copyto_gbps']:>13.2f}"
-            f"{r['loopback_gbps']:>15.2f}{r['ratio']:>7.2f}{r['loopback_mdesc_s']:>9.2f}"
-            f"{r['cross_process_gbps']:>13.2f}{r['cross_process_ratio']:>7.2f}"
-            f"{r['cross_process_mdesc_s']:>9.2f}"
-        )
-    save(args.out, rows, mib=args.mib, repeat=args.repeat)
 
 
 if __name__ == "__main__":

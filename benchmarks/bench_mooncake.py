@@ -25,14 +25,13 @@ benchmarks/results/mooncake.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
 
 import numpy as np
 from mooncake.engine import TransferEngine
-from report import default_out, save
+from report import Column, check_shuffled, kib, script, shuffled_blocks, timed
 
 import xferkit as xk
 from xferkit.testing.peer import PeerProcess, Setup
@@ -42,17 +41,6 @@ from xferkit_mooncake.backend import MooncakeDriver
 SIZES = [4 << 10, 64 << 10, 1 << 20]
 OPTIONS = {"protocol": "tcp", "hostname": "127.0.0.1"}
 CHUNK = 1024
-
-
-def _descs(src: int, dst: int, total: int, size: int, rng) -> xk.Descriptors:
-    n = total // size
-    order = rng.permutation(n).astype(np.uint64)
-    offs = np.arange(n, dtype=np.uint64) * np.uint64(size)
-    return xk.Descriptors(
-        np.uint64(src) + offs,
-        np.uint64(dst) + order * np.uint64(size),
-        np.full(n, size, dtype=np.uint64),
-    )
 
 
 def _raw_chunks(d: xk.Descriptors) -> list[tuple[list[int], list[int], list[int]]]:
@@ -111,7 +99,7 @@ def run(total_mib: int, repeat: int) -> list[dict]:
     driver = plugin.driver
     assert isinstance(driver, MooncakeDriver)
     raw = driver.engine  # the same engine and connection (see above)
-    timed = driver.engine = _TimedEngine(raw)  # before connect: the peer's lane calls it
+    inside = driver.engine = _TimedEngine(raw)  # before connect: the peer's lane calls it
     plugin.register(xk.Manifest.build([xk.Region.from_array(src, pool="src", name="src", layer=0)]))
     peer = plugin.connect(ready.endpoint, remote_manifest)
     segment = peer.name.removeprefix("mooncake:")  # the peer's address: its segment
@@ -127,7 +115,7 @@ def run(total_mib: int, repeat: int) -> list[dict]:
     rows = []
     try:
         for size in SIZES:
-            d = _descs(src.ctypes.data, remote_addr, total, size, rng)
+            d = shuffled_blocks(src.ctypes.data, remote_addr, total, size, rng)
             chunks = _raw_chunks(d)
             plugin.write(peer, d).wait()  # warm both paths
             raw_write(chunks)
@@ -138,20 +126,17 @@ def run(total_mib: int, repeat: int) -> list[dict]:
                 runs = [(t_raw, lambda c=chunks: raw_write(c))]
                 runs.append((t_plugin, lambda d=d: plugin.write(peer, d).wait()))
                 for times, fn in runs if rep % 2 == 0 else runs[::-1]:
-                    timed.seconds.clear()
-                    t = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t)
+                    inside.seconds.clear()
+                    times += timed(fn)
                     if times is t_plugin:
-                        overhead.append(t_plugin[-1] - sum(timed.seconds))
+                        overhead.append(t_plugin[-1] - sum(inside.seconds))
             # The peer holds block i of src at block order[i]: read it back and compare.
             back[:] = 0
             assert (
                 raw.batch_transfer_sync_read(segment, [back.ctypes.data], [remote_addr], [total])
                 == 0
             )
-            order = ((d.dst - np.uint64(remote_addr)) // np.uint64(size)).astype(np.int64)
-            assert np.array_equal(back.reshape(-1, size)[order], src.reshape(-1, size))
+            check_shuffled(d, src, back, remote_addr, size)
             raw_s, plugin_s = statistics.median(t_raw), statistics.median(t_plugin)
             # Each rep ran both back to back: the paired ratio cancels drift in the
             # machine's load, which the ratio of medians does not.
@@ -180,29 +165,26 @@ def run(total_mib: int, repeat: int) -> list[dict]:
     return rows
 
 
+COLUMNS = [
+    Column("desc size", kib("descriptor_bytes")),
+    Column("descs", "descriptors", ",", 9),
+    Column("raw GB/s", "raw_gbps", ".3f"),
+    Column("plugin GB/s", "plugin_gbps", ".3f", 13),
+    Column("paired ratio", "ratio", ".3f", 14),
+    Column("of medians", "ratio_of_medians", ".3f", 12),
+    Column("of best", "ratio_of_best", ".3f", 9),
+    Column("overhead", lambda r: f"{r['plugin_overhead_ms']:.2f} ms", width=11),
+    Column("share", "plugin_overhead_share", ".1%", 7),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mib", type=int, default=64, help="bytes moved per run, in MiB")
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--out", default=default_out("mooncake"))
-    args = parser.parse_args()
-    rows = run(args.mib, args.repeat)
-    print(
-        f"{'desc size':>10}{'descs':>9}{'raw GB/s':>10}{'plugin GB/s':>13}"
-        f"{'paired ratio':>14}{'of medians':>12}{'of best':>9}{'overhead':>16}"
-    )
-    for r in rows:
-        print(
-            f"{r['descriptor_bytes'] >> 10:>8}Ki{r['descriptors']:>9,}{r['raw_gbps']:>10.3f}"
-            f"{r['plugin_gbps']:>13.3f}{r['ratio']:>14.3f}{r['ratio_of_medians']:>12.3f}"
-            f"{r['ratio_of_best']:>9.3f}{r['plugin_overhead_ms']:>8.2f} ms"
-            f"{r['plugin_overhead_share']:>6.1%}"
-        )
-    save(
-        args.out,
-        rows,
-        mib=args.mib,
-        repeat=args.repeat,
+    script(
+        "mooncake",
+        __doc__,
+        run,
+        COLUMNS,
+        {"mib": (64, "bytes moved per run, in MiB"), "repeat": (7, None)},
         transport="mooncake tcp, 127.0.0.1, two processes",
     )
 

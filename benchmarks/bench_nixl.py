@@ -29,14 +29,13 @@ Prints tables and writes benchmarks/results/nixl.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import msgspec
 import numpy as np
-from report import default_out, save
+from report import Column, kib, parser, save, table, timed
 
 import xferkit as xk
 from xferkit.testing.peer import Check, PeerProcess, Setup
@@ -82,17 +81,6 @@ def _rows(addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _paired(raw: list[float], plugin: list[float]) -> float:
     """Median over rounds of raw time / plugin time: the plugin's share of raw throughput."""
     return statistics.median(r / p for r, p in zip(raw, plugin, strict=True))
-
-
-def _median_us(fn, repeat: int) -> float:
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        runs.append(time.perf_counter() - t)
-        if out is not None:
-            out.release()
-    return statistics.median(runs) * 1e6
 
 
 class _Clock:
@@ -223,20 +211,19 @@ class Bench:
             for k in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
                 fn, clock = ways[k]
                 before = clock.inside
-                t = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t)
+                times[k] += timed(fn)
                 inside[k].append(clock.inside - before)
 
         # Posting cost: building one request, no transfer (the plugin's: its NIXL request).
         reps = max(20, min(400, 200_000 // n))
         driver, link = self.driver, self.driver._remotes[self.target.name]
-        cost = {
-            "raw init": _median_us(make_raw_init, reps),
-            "raw prep": _median_us(make_raw_prep, reps),
-            "plugin": _median_us(lambda: driver._request(link, DRAM, DRAM, descs, b""), reps),
-            "core guards": _median_us(lambda: plugin._check_descriptors(peer, descs), reps),
+        posts = {
+            "raw init": make_raw_init,
+            "raw prep": make_raw_prep,
+            "plugin": lambda: driver._request(link, DRAM, DRAM, descs, b""),
+            "core guards": lambda: plugin._check_descriptors(peer, descs),
         }
+        cost = {k: timed(fn, reps, then=_release).median * 1e6 for k, fn in posts.items()}
         lp.release()
         rp.release()
 
@@ -282,61 +269,67 @@ def run(total_mib: int, rounds: int) -> list[dict]:
     return rows
 
 
+def _release(handle: object) -> None:
+    if handle is not None:
+        handle.release()  # type: ignore[attr-defined]
+
+
+SPEED = [
+    Column("desc", kib("descriptor_bytes"), width=7),
+    Column("count", "descriptors", width=7),
+    Column("raw init GB/s", "raw_init_gbps", ".2f", 14),
+    Column("raw prep GB/s", "raw_prep_gbps", ".2f", 14),
+    Column("plugin GB/s", "plugin_gbps", ".2f", 12),
+    Column("plugin/raw init", "ratio_init", ".2f", 16),
+    Column("from overhead", "ratio_init_from_overhead", ".2f", 14),
+    Column("plugin/best raw", "ratio_vs_best_raw", ".2f", 16),
+]
+OUTSIDE = [
+    Column("desc", kib("descriptor_bytes"), width=7),
+    Column("copy ms", "copy_ms_median", ".2f", 9),
+    Column("raw init", "raw_init_overhead_us", ".1f", 9),
+    Column("raw prep", "raw_prep_overhead_us", ".1f", 9),
+    Column("plugin", "plugin_overhead_us", ".1f", 9),
+]
+POSTING = [
+    Column("desc", kib("descriptor_bytes"), width=7),
+    Column("count", "descriptors", width=7),
+    Column("raw init", "post_us_per_desc_raw_init", ".4f", 9),
+    Column("raw prep", "post_us_per_desc_raw_prep", ".4f", 9),
+    Column("plugin", "post_us_per_desc_plugin", ".4f", 9),
+    Column("guards", "post_us_per_desc_core_guards", ".4f", 9),
+    Column(
+        "per request: raw init / raw prep / plugin",
+        lambda r: (
+            f"{r['post_us_raw_init']:.1f} / {r['post_us_raw_prep']:.1f} / "
+            f"{r['post_us_plugin']:.1f} us"
+        ),
+        width=44,
+    ),
+]
+
+
 def _print(rows: list[dict], total_mib: int, rounds: int) -> None:
     print(
         f"{total_mib} MiB per write, {rounds} rounds, two processes, UCX on host memory "
         f"({os.cpu_count()} CPUs)\n"
     )
-    head = (
-        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plugin':>8} GB/s | "
-        f"plugin/raw init {'paired':>6} {'overhead':>8} | plugin/best raw"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['descriptor_bytes'] >> 10:>5}Ki {r['descriptors']:>6} | "
-            f"{r['raw_init_gbps']:8.2f} {r['raw_prep_gbps']:8.2f} {r['plugin_gbps']:8.2f}      | "
-            f"                {r['ratio_init']:6.2f} {r['ratio_init_from_overhead']:8.2f} | "
-            f"{r['ratio_vs_best_raw']:15.2f}"
-        )
+    table(rows, SPEED)
     print("\ntime per write outside UCX's copy (us; median copy time in ms)\n")
-    head = f"{'desc':>7} | {'copy ms':>8} | {'raw init':>8} {'raw prep':>8} {'plugin':>8}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['descriptor_bytes'] >> 10:>5}Ki | {r['copy_ms_median']:8.2f} | "
-            f"{r['raw_init_overhead_us']:8.1f} {r['raw_prep_overhead_us']:8.1f} "
-            f"{r['plugin_overhead_us']:8.1f}"
-        )
+    table(rows, OUTSIDE)
     print("\nposting cost per descriptor: building one request, no transfer (us)\n")
-    head = (
-        f"{'desc':>7} {'count':>6} | {'raw init':>8} {'raw prep':>8} {'plugin':>8} | "
-        f"{'guards':>7} | per request: raw init / raw prep / plugin"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['descriptor_bytes'] >> 10:>5}Ki {r['descriptors']:>6} | "
-            f"{r['post_us_per_desc_raw_init']:8.4f} {r['post_us_per_desc_raw_prep']:8.4f} "
-            f"{r['post_us_per_desc_plugin']:8.4f} | "
-            f"{r['post_us_per_desc_core_guards']:7.4f} | {r['post_us_raw_init']:.1f} / "
-            f"{r['post_us_raw_prep']:.1f} / {r['post_us_plugin']:.1f} us"
-        )
+    table(rows, POSTING)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--total-mib", type=int, default=64, help="bytes per write, MiB")
-    parser.add_argument("--rounds", type=int, default=41)
-    parser.add_argument("--out", default=default_out("nixl"))
-    args = parser.parse_args()
-    rows = run(args.total_mib, args.rounds)
-    _print(rows, args.total_mib, args.rounds)
+    args = parser("nixl", __doc__)
+    args.add_argument("--total-mib", type=int, default=64, help="bytes per write, MiB")
+    args.add_argument("--rounds", type=int, default=41)
+    a = args.parse_args()
+    rows = run(a.total_mib, a.rounds)
+    _print(rows, a.total_mib, a.rounds)
     print()
-    save(args.out, rows, total_mib=args.total_mib, rounds=args.rounds)
+    save(a.out, rows, total_mib=a.total_mib, rounds=a.rounds)
 
 
 if __name__ == "__main__":

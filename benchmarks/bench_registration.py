@@ -21,13 +21,12 @@ Run: ``python benchmarks/bench_registration.py``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from typing import Any
 
 import numpy as np
-from report import default_out, save
+from report import Column, header, line, parser, save, timed
 
 import xferkit as xk
 
@@ -65,14 +64,11 @@ def manifest(n: int, gap: int) -> tuple[np.ndarray, xk.Manifest, float]:
 
 def measure(backend: str, options: dict[str, Any], m: xk.Manifest) -> dict[str, float]:
     with xk.open_backend(backend, **options) as b:
-        t0 = time.perf_counter()
-        b.register(m)
-        t1 = time.perf_counter()
-        b.endpoint()
-        t2 = time.perf_counter()
-        b.deregister()
-        t3 = time.perf_counter()
-    return {"register_s": t1 - t0, "endpoint_s": t2 - t1, "deregister_s": t3 - t2}
+        return {  # in this order: what registered is what the endpoint and deregister see
+            "register_s": timed(lambda: b.register(m))[0],
+            "endpoint_s": timed(b.endpoint)[0],
+            "deregister_s": timed(b.deregister)[0],
+        }
 
 
 def predict(done: list[tuple[int, float]], n: int) -> float:
@@ -86,31 +82,38 @@ def predict(done: list[tuple[int, float]], n: int) -> float:
     return s_last * (n / n_last) ** power
 
 
+COLUMNS = [
+    Column("backend", "backend", width=10, left=True),
+    Column("layout", "layout", width=8, left=True),
+    Column("regions", "regions", ",", 8),
+    Column("register", lambda r: f"{r['register_s']:.3f}s", width=11),
+    Column("endpoint", lambda r: f"{r['endpoint_s']:.3f}s", width=10),
+    Column("deregister", lambda r: f"{r['deregister_s']:.3f}s", width=12),
+    Column("per region", lambda r: f"{r['per_region_us']:.1f}us", width=12),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", nargs="*", default=list(BACKENDS))
-    parser.add_argument("--sizes", nargs="*", type=int, default=SIZES)
-    parser.add_argument("--budget", type=float, default=120.0, help="seconds per measurement")
-    parser.add_argument("--out", default=default_out("registration"))
-    args = parser.parse_args()
+    args = parser("registration", __doc__.splitlines()[0] if __doc__ else None)
+    args.add_argument("--backends", nargs="*", default=list(BACKENDS))
+    args.add_argument("--sizes", nargs="*", type=int, default=SIZES)
+    args.add_argument("--budget", type=float, default=120.0, help="seconds per measurement")
+    a = args.parse_args()
     available = {b.name: b for b in xk.backends()}
     rows: list[dict[str, Any]] = []
     builds: dict[tuple[str, int], float] = {}
-    print(
-        f"{'backend':<9} {'layout':<7} {'regions':>8} {'register':>10} {'endpoint':>9} "
-        f"{'deregister':>11} {'per region':>11}"
-    )
-    for backend in args.backends:
+    print(header(COLUMNS))
+    for backend in a.backends:
         info = available.get(backend)
         if info is None or not info.available:
             print(f"{backend:<9} not available here: {info.reason if info else 'unknown'}")
             continue
         for layout, gap in LAYOUTS.items():
             done: list[tuple[int, float]] = []
-            for n in sorted(args.sizes):
+            for n in sorted(a.sizes):
                 row: dict[str, Any] = {"backend": backend, "layout": layout, "regions": n}
-                if done and (guess := predict(done, n)) > args.budget:
-                    row["skipped"] = f"predicted {guess:.0f} s > budget {args.budget:.0f} s"
+                if done and (guess := predict(done, n)) > a.budget:
+                    row["skipped"] = f"predicted {guess:.0f} s > budget {a.budget:.0f} s"
                     row["predicted_s"] = guess
                     rows.append(row)
                     print(f"{backend:<9} {layout:<7} {n:>8,} skipped: {row['skipped']}")
@@ -123,18 +126,14 @@ def main() -> None:
                 row["per_region_us"] = total / n * 1e6
                 done.append((n, total))
                 rows.append(row)
-                print(
-                    f"{backend:<9} {layout:<7} {n:>8,} {row['register_s']:>9.3f}s "
-                    f"{row['endpoint_s']:>8.3f}s {row['deregister_s']:>10.3f}s "
-                    f"{row['per_region_us']:>9.1f}us"
-                )
+                print(line(row, COLUMNS))
     for (layout, n), s in sorted(builds.items()):
         print(f"Manifest.build, {layout}, {n:,} regions: {s:.3f} s")
     save(
-        args.out,
+        a.out,
         rows,
         region_bytes=REGION,
-        budget_s=args.budget,
+        budget_s=a.budget,
         manifest_build_s={f"{layout}/{n}": s for (layout, n), s in sorted(builds.items())},
     )
 

@@ -25,7 +25,7 @@ skips the big test; ``--no-curve`` the CurveZMQ row.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import logging
 import multiprocessing as mp
 import statistics
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from report import default_out, kv_manifest, save
+from report import Column, kv_manifest, parser, save, table, timed
 
 import xferkit as xk
 from xferkit.session import Session, SessionKeys, State
@@ -99,23 +99,21 @@ def prefill(conn: Connection) -> None:
             _, src, dst_slots, repeat, pipelined = cmd
             assert p is not None and peer is not None
             descs = p.expand({"kv": (src, dst_slots)})
-            session.backend.write(peer, descs).wait(60)  # warm
-            if pipelined:
-                t = time.perf_counter()
-                for ts in [session.backend.write(peer, descs) for _ in range(repeat)]:
-                    ts.wait(60)
-                conn.send([time.perf_counter() - t])
-            else:
-                out = []
-                for _ in range(repeat):
-                    t = time.perf_counter()
-                    session.backend.write(peer, descs).wait(60)
-                    out.append(time.perf_counter() - t)
-                conn.send(out)
+            backend, to = session.backend, peer
+            backend.write(to, descs).wait(60)  # warm
+            # Pipelined: one timing of ``repeat`` writes in flight; else ``repeat`` timings.
+            writes = functools.partial(_writes, backend, to, descs, repeat if pipelined else 1)
+            conn.send(list(timed(writes, 1 if pipelined else repeat)))
     if peer is not None:
         session.backend.disconnect(peer)
     session.close()
     del arrays
+
+
+def _writes(b: xk.Backend, peer: xk.Peer, descs: xk.Descriptors, count: int) -> None:
+    """``count`` writes in flight at once, to done."""
+    for w in [b.write(peer, descs) for _ in range(count)]:
+        w.wait(60)
 
 
 # -- the decode process (this one) -------------------------------------------------------
@@ -259,56 +257,63 @@ def big(driver: str, repeat: int) -> dict[str, Any]:
     }
 
 
+LATENCY = [
+    Column(
+        "one page (160 descs, 2.5 MiB)",
+        lambda r: r["driver"] + (" + curve" if r["keys"] else ""),
+        width=32,
+        left=True,
+    ),
+    Column("median ms", "session_median_ms", ".3f"),
+    Column("p99 ms", "session_p99_ms", ".3f", 8),
+    Column("direct ms", "direct_median_ms", ".3f"),
+    Column("ctl med", "control_median_ms", ".3f", 8),
+    Column("ctl p99", "control_p99_ms", ".3f", 8),
+    Column("req/s", "session_req_s", ".0f", 8),
+    Column("direct/s", "direct_req_s", ".0f", 9),
+]
+BIG = [
+    Column("8192 tokens", "driver", width=12, left=True),
+    Column("descs", "descriptors", width=8),
+    Column("MiB", "mib", ".0f", 6),
+    Column("session GB/s", "session_gbps", ".2f", 14),
+    Column("direct GB/s", "direct_gbps", ".2f", 13),
+    Column("ratio", "ratio", ".3f", 7),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=500)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument(
+    args = parser("session", __doc__)
+    args.add_argument("--requests", type=int, default=500)
+    args.add_argument("--repeat", type=int, default=5)
+    args.add_argument(
         "--rounds", type=int, default=10, help="session and direct alternate this many times"
     )
-    parser.add_argument(
+    args.add_argument(
         "--drivers", default=",".join(DRIVERS), help="drivers of the big test ('': skip it)"
     )
-    parser.add_argument("--no-curve", action="store_true", help="skip the CurveZMQ row")
-    parser.add_argument("--out", default=default_out("session"))
-    args = parser.parse_args()
+    args.add_argument("--no-curve", action="store_true", help="skip the CurveZMQ row")
+    a = args.parse_args()
     logging.basicConfig(level=logging.ERROR)
     public, secret = zmq.curve_keypair()
-    rows = [latency("loopback", args.requests, None, args.rounds)]
-    if not args.no_curve:
-        rows.append(latency("loopback", args.requests, (public, secret), args.rounds))
-    print(
-        f"{'one page (160 descs, 2.5 MiB)':<32}{'median ms':>10}{'p99 ms':>8}"
-        f"{'direct ms':>10}{'ctl med':>8}{'ctl p99':>8}{'req/s':>8}{'direct/s':>9}"
-    )
-    for r in rows:
-        print(
-            f"{r['driver'] + (' + curve' if r['keys'] else ''):<32}"
-            f"{r['session_median_ms']:>10.3f}{r['session_p99_ms']:>8.3f}"
-            f"{r['direct_median_ms']:>10.3f}{r['control_median_ms']:>8.3f}"
-            f"{r['control_p99_ms']:>8.3f}{r['session_req_s']:>8.0f}{r['direct_req_s']:>9.0f}"
-        )
+    rows = [latency("loopback", a.requests, None, a.rounds)]
+    if not a.no_curve:
+        rows.append(latency("loopback", a.requests, (public, secret), a.rounds))
+    table(rows, LATENCY)
     enc = None
     if len(rows) > 1:
         enc = rows[1]["session_median_ms"] - rows[0]["session_median_ms"]
         print(f"CurveZMQ cost per request (median latency with keys - without): {enc:.3f} ms")
-    bigs = [big(d, args.repeat) for d in args.drivers.split(",") if d]
+    bigs = [big(d, a.repeat) for d in a.drivers.split(",") if d]
     if bigs:
-        print(
-            f"\n{'8192 tokens':<12}{'descs':>8}{'MiB':>6}{'session GB/s':>14}"
-            f"{'direct GB/s':>13}{'ratio':>7}"
-        )
-    for r in bigs:
-        print(
-            f"{r['driver']:<12}{r['descriptors']:>8}{r['mib']:>6.0f}{r['session_gbps']:>14.2f}"
-            f"{r['direct_gbps']:>13.2f}{r['ratio']:>7.3f}"
-        )
+        print()
+        table(bigs, BIG)
     save(
-        args.out,
+        a.out,
         rows + bigs,
-        requests=args.requests,
-        rounds=args.rounds,
-        repeat=args.repeat,
+        requests=a.requests,
+        rounds=a.rounds,
+        repeat=a.repeat,
         curve_ms=enc,
     )
 

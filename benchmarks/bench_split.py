@@ -9,13 +9,12 @@ Prints a table and writes benchmarks/results/split.json.
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import functools
 import time
 from typing import Any
 
 import numpy as np
-from report import default_out, save
+from report import Column, check_shuffled, script, shuffled_blocks, timed
 
 import xferkit as xk
 
@@ -30,19 +29,20 @@ DRIVERS: dict[str, dict[str, Any]] = {
 }
 
 
-def _descs(src: int, dst: int, total: int, size: int, rng: np.random.Generator) -> xk.Descriptors:
-    n = total // size
-    order = rng.permutation(n).astype(np.uint64)
-    offs = np.arange(n, dtype=np.uint64) * np.uint64(size)
-    return xk.Descriptors(
-        np.uint64(src) + offs,
-        np.uint64(dst) + order * np.uint64(size),
-        np.full(n, size, dtype=np.uint64),
-    )
-
-
 def _region(a: np.ndarray, name: str) -> xk.Region:
     return xk.Region.from_array(a, pool=name, name=name, layer=0)
+
+
+def _write(
+    a: xk.Backend, peer: xk.Peer, descs: xk.Descriptors, notify: bytes | None, mode: str
+) -> None:
+    """One write to done: blocking in ``wait``, or polled as an engine's loop would."""
+    w = a.write(peer, descs, notify)
+    if mode == "wait":
+        w.wait(60)
+    else:
+        while w.poll() is xk.Status.PENDING:
+            time.sleep(POLL_S)
 
 
 def run(total_mib: int, repeat: int) -> list[dict[str, Any]]:
@@ -50,7 +50,7 @@ def run(total_mib: int, repeat: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
     dst = np.ones(total, dtype=np.uint8)  # faulted in before timing
-    descs = _descs(src.ctypes.data, dst.ctypes.data, total, BLOCK, rng)
+    descs = shuffled_blocks(src.ctypes.data, dst.ctypes.data, total, BLOCK, rng)
     rows = []
     for driver, options in DRIVERS.items():
         for batches in BATCHES:
@@ -65,19 +65,10 @@ def run(total_mib: int, repeat: int) -> list[dict[str, Any]]:
                 for notify in (None, b"done"):
                     a.write(peer, descs, notify).wait(60)  # warm
                     for mode in ("wait", "poll"):
-                        runs = []
-                        for _ in range(repeat):
-                            t = time.perf_counter()
-                            w = a.write(peer, descs, notify)
-                            if mode == "wait":
-                                w.wait(60)
-                            else:
-                                while w.poll() is xk.Status.PENDING:
-                                    time.sleep(POLL_S)
-                            runs.append(time.perf_counter() - t)
+                        write = functools.partial(_write, a, peer, descs, notify, mode)
+                        s = timed(write, repeat).median
                         if notify is not None:
                             b.notifications(timeout=1.0)
-                        s = statistics.median(runs)
                         rows.append(
                             {
                                 "driver": driver,
@@ -93,25 +84,28 @@ def run(total_mib: int, repeat: int) -> list[dict[str, Any]]:
                     a.close()
                 finally:
                     b.close()
-    order = ((descs.dst - np.uint64(dst.ctypes.data)) // np.uint64(BLOCK)).astype(np.int64)
-    assert np.array_equal(dst.reshape(-1, BLOCK)[order], src.reshape(-1, BLOCK))
+    check_shuffled(descs, src, dst, dst.ctypes.data, BLOCK)
     return rows
 
 
+COLUMNS = [
+    Column("driver", "driver"),
+    Column("batches", "batches", width=9),
+    Column("notify", lambda r: "yes" if r["notify"] else "no", width=8),
+    Column("mode", "mode", width=6),
+    Column("ms", "ms", ".2f", 9),
+    Column("GB/s", "gbps", ".2f", 8),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mib", type=int, default=64, help="bytes moved per write, in MiB")
-    parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--out", default=default_out("split"))
-    args = parser.parse_args()
-    rows = run(args.mib, args.repeat)
-    print(f"{'driver':>10}{'batches':>9}{'notify':>8}{'mode':>6}{'ms':>9}{'GB/s':>8}")
-    for r in rows:
-        print(
-            f"{r['driver']:>10}{r['batches']:>9}{'yes' if r['notify'] else 'no':>8}"
-            f"{r['mode']:>6}{r['ms']:>9.2f}{r['gbps']:>8.2f}"
-        )
-    save(args.out, rows, mib=args.mib, repeat=args.repeat)
+    script(
+        "split",
+        __doc__,
+        run,
+        COLUMNS,
+        {"mib": (64, "bytes moved per write, in MiB"), "repeat": (9, None)},
+    )
 
 
 if __name__ == "__main__":

@@ -21,15 +21,15 @@ Prints tables and writes benchmarks/results/staging.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import multiprocessing as mp
 import statistics
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from report import BF16, HEADS, PAGE, default_out, kv_manifest, save
+from report import BF16, HEADS, PAGE, Column, kv_manifest, parser, save, table, timed
 
 import xferkit as xk
 from xferkit.copier import copy_pieces
@@ -130,10 +130,12 @@ class Case:
             c.send(("offer", rid, src))
         for c in self.conns:
             c.recv()
-        t = time.perf_counter()
-        state = self.session.expect(rid, self.sources, {"kv": dst}).wait(600)
-        took = time.perf_counter() - t
-        assert state is State.DONE
+        states: list[State] = []
+        (took,) = timed(
+            lambda: self.session.expect(rid, self.sources, {"kv": dst}).wait(600),
+            then=states.append,
+        )
+        assert states == [State.DONE]
         for c in self.conns:
             c.send(("reap",))
         for c in self.conns:
@@ -171,6 +173,10 @@ class Case:
         self.session.close()
 
 
+def _write(b: xk.Backend, peer: xk.Peer, d: xk.Descriptors) -> None:
+    b.write(peer, d).wait(600)
+
+
 def descriptor_cost(driver: str) -> dict[str, Any]:
     """Seconds per 64-byte descriptor and bytes/s of one large one: their product."""
     big, small, n = 64 << 20, 64, 16384
@@ -185,14 +191,11 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
         step = np.arange(n, dtype=np.uint64) * np.uint64(4096)  # one per page: nothing merges
         many = xk.Descriptors(s0 + step, d0 + step[::-1], np.full(n, small, np.uint64))
         one = xk.Descriptors(np.array([s0]), np.array([d0]), np.array([big], np.uint64))
-        t_many, t_one = [], []
-        for _ in range(5):
-            t = time.perf_counter()
-            a.write(peer, many).wait(600)
-            t_many.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            a.write(peer, one).wait(600)
-            t_one.append(time.perf_counter() - t)
+        t_many: list[float] = []
+        t_one: list[float] = []
+        for _ in range(5):  # alternating, so drift hits both alike
+            t_many += timed(functools.partial(_write, a, peer, many))
+            t_one += timed(functools.partial(_write, a, peer, one))
     finally:
         a.close()
         b.close()
@@ -204,12 +207,7 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
     rows = (pages[:, None] * np.uint64(64) + np.arange(64, dtype=np.uint64)[None, :]).ravel()
     out = np.arange(rows.size, dtype=np.uint64) * np.uint64(256)
     pack = (s0 + rows * np.uint64(512), d0 + out, np.full(rows.size, 256, np.uint64))
-    t_copy = []
-    for _ in range(5):
-        t = time.perf_counter()
-        copy_pieces(*pack)
-        t_copy.append(time.perf_counter() - t)
-    copy_bw = big / 2 / min(t_copy)
+    copy_bw = big / 2 / timed(functools.partial(copy_pieces, *pack), 5).best
     return {
         "driver": driver,
         "us_per_descriptor": per_desc * 1e6,
@@ -220,44 +218,52 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
     }
 
 
+COSTS = [
+    Column("driver", "driver", width=10, left=True),
+    Column("us/desc", "us_per_descriptor", ".2f", 9),
+    Column("GB/s large", "gbps_large", ".2f", 12),
+    Column("descriptor_bytes", "descriptor_bytes", width=18),
+    Column("copier GB/s", "copier_gbps", ".2f", 13),
+    Column("copy_cost", "copy_cost", ".2f", 11),
+]
+SPEEDS = [
+    Column("driver", "driver", width=10, left=True),
+    Column("case", "case", width=26, left=True),
+    Column("GB/s", "gbps", ".2f", 7),
+    Column("/ 8->8", "vs_equal", ".2f", 8),
+    Column("  route", lambda r: "  " + ",".join(r["routes"]), left=True),
+]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--staging", type=int, default=64 << 20, help="bytes per Session")
-    parser.add_argument("--slice", type=int, default=16 << 20, help="bytes per slice")
-    parser.add_argument("--drivers", default=",".join(DRIVERS))
-    parser.add_argument(
+    args = parser("staging", __doc__)
+    args.add_argument("--layers", type=int, default=8)
+    args.add_argument("--tokens", type=int, default=4096)
+    args.add_argument("--repeat", type=int, default=5)
+    args.add_argument("--staging", type=int, default=64 << 20, help="bytes per Session")
+    args.add_argument("--slice", type=int, default=16 << 20, help="bytes per slice")
+    args.add_argument("--drivers", default=",".join(DRIVERS))
+    args.add_argument(
         "--views",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also NHD <-> HND and pages of 16 <-> 64 tokens",
     )
-    parser.add_argument(
+    args.add_argument(
         "--only", default="", help="comma-separated substrings: run the cases naming one"
     )
-    parser.add_argument("--out", default=default_out("staging"))
-    a = parser.parse_args()
-    table = CASES + (VIEWS if a.views else [])
+    a = args.parse_args()
+    chosen = CASES + (VIEWS if a.views else [])
     if a.only:
         # The first case is the equal-TP baseline every ratio is taken against: always kept.
-        table = table[:1] + [c for c in table[1:] if any(o in c[0] for o in a.only.split(","))]
+        chosen = chosen[:1] + [c for c in chosen[1:] if any(o in c[0] for o in a.only.split(","))]
     logging.basicConfig(level=logging.ERROR)
     drivers = a.drivers.split(",")
     costs = [descriptor_cost(d) for d in drivers]
-    print(
-        f"{'driver':<10}{'us/desc':>9}{'GB/s large':>12}{'descriptor_bytes':>18}"
-        f"{'copier GB/s':>13}{'copy_cost':>11}"
-    )
-    for c in costs:
-        print(
-            f"{c['driver']:<10}{c['us_per_descriptor']:>9.2f}{c['gbps_large']:>12.2f}"
-            f"{c['descriptor_bytes']:>18}{c['copier_gbps']:>13.2f}{c['copy_cost']:>11.2f}"
-        )
+    table(costs, COSTS)
     rows = []
     for driver in drivers:
-        cases = [Case(driver, c, a) for c in table]
+        cases = [Case(driver, c, a) for c in chosen]
         try:
             for case in cases:
                 case.run()  # warm: handshakes, plans, routes
@@ -271,7 +277,7 @@ def main() -> None:
             for case in cases:
                 case.close()
         equal = cases[0].bytes / min(runs[0])
-        for case, (label, *_), rs, rt, why in zip(cases, table, runs, routes, whys, strict=True):
+        for case, (label, *_), rs, rt, why in zip(cases, chosen, runs, routes, whys, strict=True):
             gbps = case.bytes / min(rs)
             rows.append(
                 {
@@ -286,14 +292,10 @@ def main() -> None:
                     "why": why,
                 }
             )
-    print(f"\n{'driver':<10}{'case':<26}{'GB/s':>7}{'/ 8->8':>8}  route")
-    for r in rows:
-        print(
-            f"{r['driver']:<10}{r['case']:<26}{r['gbps']:>7.2f}{r['vs_equal']:>8.2f}"
-            f"  {','.join(r['routes'])}"
-        )
+    print()
+    table(rows, SPEEDS)
     print("\nwhy (the plan's own words, first k region of the first driver):")
-    for r in rows[: len(table)]:
+    for r in rows[: len(chosen)]:
         print(f"  {r['case']}: {r['why']}")
     save(a.out, rows, costs=costs, layers=a.layers, tokens=a.tokens, staging=a.staging)
 

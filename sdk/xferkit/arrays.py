@@ -1,7 +1,8 @@
 """What a tensor-like object is in memory: address, shape, itemsize, contiguity, device.
 
 Duck-typed (torch tensors, ``__array_interface__``, ``__cuda_array_interface__``),
-without importing torch; ``Region.from_array`` is its one user.
+without importing torch; ``Region.from_array`` is its one user. ``c_strides`` is the one
+C-order stride rule (contiguity here, the planner's byte pieces).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import CapabilityError
 from .manifest import parse_device
+from .rawmemory import raw_array
 
 _CHUNK_BYTES: Final = 1 << 20
 """Bytes moved per indexing statement: temporaries stay in cache (about 2x faster than one go)."""
@@ -312,21 +313,5 @@ class _Side:
         return out
 
 
-class _Memory:
-    """An ``__array_interface__`` over raw memory; no ctypes type is made per span."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, interface: dict[str, Any]) -> None:
-        self.__array_interface__ = interface
-
-
 def _raw(addr: int, shape: tuple[int, ...], strides: tuple[int, ...], item: int) -> np.ndarray:
-    interface = {
-        "version": 3,
-        "data": (addr, False),
-        "shape": shape,
-        "strides": strides,
-        "typestr": _ITEMS[item].str,
-    }
-    return np.asarray(_Memory(interface))
+    return raw_array(addr, shape, _ITEMS[item].str, strides)

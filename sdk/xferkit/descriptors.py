@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .rawmemory import raw_array
+
 if TYPE_CHECKING:
     from .manifest import Manifest
 
@@ -53,7 +55,7 @@ class Descriptors:
         """
         raw = _new_bytes(None, 24 * count) if count else b""  # the three arrays, end to end
         whole = np.frombuffer(raw, dtype=np.uint64)
-        if 24 * count >= _HUGE:
+        if 24 * count >= _HUGEPAGES_FROM:
             _hugepages(_address(whole), whole.nbytes)
         arrays = (whole[:count], whole[count : 2 * count], whole[2 * count :])
         out = cls(*arrays)
@@ -107,6 +109,23 @@ class Descriptors:
         )
 
 
+def merge_neighbours(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge each copy into the one before it where it continues that one on both sides.
+
+    In the order given (sort first to merge more); the same arrays when nothing merges.
+    """
+    if src.size < 2:
+        return src, dst, nbytes
+    start = np.ones(src.size, dtype=bool)
+    start[1:] = (src[:-1] + nbytes[:-1] != src[1:]) | (dst[:-1] + nbytes[:-1] != dst[1:])
+    idx = np.flatnonzero(start)
+    if idx.size == src.size:
+        return src, dst, nbytes
+    return src[idx], dst[idx], np.add.reduceat(nbytes, idx).astype(np.uint64, copy=False)
+
+
 def _alias(a: np.ndarray) -> np.ndarray:
     """A writable array over the memory of ``a`` (which lives in a ``bytes`` object).
 
@@ -117,25 +136,11 @@ def _alias(a: np.ndarray) -> np.ndarray:
     """
     if not a.size:
         return np.empty(0, dtype=np.uint64)
-    return np.asarray(_Memory(_address(a), a.size))
+    return raw_array(_address(a), (a.size,), "<u8")
 
 
 def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
-
-
-class _Memory:
-    """Raw uint64 memory seen through the array interface (no ctypes type per size)."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, addr: int, count: int) -> None:
-        self.__array_interface__ = {
-            "data": (addr, False),
-            "shape": (count,),
-            "typestr": "<u8",
-            "version": 3,
-        }
 
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # uninitialised: filled by the maker
@@ -149,7 +154,8 @@ with contextlib.suppress(OSError, AttributeError):  # not Linux: no advice, just
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-_HUGE = 1 << 22  # worth advising from a few huge pages up
+_HUGEPAGES_FROM = 1 << 22
+"""Bytes from which a sealed set is worth advising into huge pages (a few of them)."""
 
 
 def _hugepages(addr: int, size: int) -> None:

@@ -24,6 +24,7 @@ import msgspec
 import pluggy
 
 from .addresses import AddressTable
+from .costs import COPY_COST, DESCRIPTOR_BYTES, copy_cost_problem, descriptor_bytes_problem
 from .descriptors import Descriptors
 from .errors import (
     ArgumentError,
@@ -59,10 +60,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Whether a peer may live in another process (or host); else same-process peers only."""
     max_batch: int = 0
     """Most descriptors per ``post``; the core splits larger writes. 0 means no limit."""
-    descriptor_bytes: int = 4096
+    descriptor_bytes: int = DESCRIPTOR_BYTES
     """What one wire descriptor costs, in bytes the driver could have moved in its place
     (per-descriptor time x bandwidth): staged routes trade descriptors for local copies."""
-    copy_cost: float = 1.0
+    copy_cost: float = COPY_COST
     """What one byte copied locally (packing, unpacking) costs, in bytes on this driver's wire:
     its large-copy bandwidth over the local copier's (above 1 where the wire is faster)."""
 
@@ -74,14 +75,12 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
             raise OptionError(
                 f"capabilities: max_batch must be an int >= 0 (0: no limit), not {self.max_batch!r}"
             )
-        if type(self.descriptor_bytes) is not int or self.descriptor_bytes < 0:
-            raise OptionError(
-                f"capabilities: descriptor_bytes must be an int >= 0, not {self.descriptor_bytes!r}"
-            )
-        if type(self.copy_cost) not in (int, float) or not 0 < self.copy_cost < 1e6:
-            raise OptionError(
-                f"capabilities: copy_cost must be a number in (0, 1e6), not {self.copy_cost!r}"
-            )
+        for problem in (
+            descriptor_bytes_problem(self.descriptor_bytes),
+            copy_cost_problem(self.copy_cost),
+        ):
+            if problem:
+                raise OptionError(f"capabilities: {problem}")
         for field in ("notifications", "cross_process"):
             if type(getattr(self, field)) is not bool:
                 raise OptionError(f"capabilities: {field} must be a bool")

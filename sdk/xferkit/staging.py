@@ -29,37 +29,35 @@ from typing import Literal, NamedTuple, get_args
 import numpy as np
 
 from .arguments import expect
-from .descriptors import Descriptors
+from .costs import COPY_COST, copy_cost_problem, descriptor_bytes_problem
+from .descriptors import Descriptors, merge_neighbours
 from .errors import PlanError
 from .manifest import RegionKey, key_label
-from .planner import Pairs, Pieces, Plan, _Group
+from .planner import PagePairs, Pieces, Plan, RegionGroup
 
-Path = Literal["direct", "pack", "unpack", "both"]
-PATHS: tuple[Path, ...] = get_args(Path)
-Force = Path | Literal["staged"] | None
+RoutePath = Literal["direct", "pack", "unpack", "both"]
+PATHS: tuple[RoutePath, ...] = get_args(RoutePath)
+Force = RoutePath | Literal["staged"] | None
 
 FORCE: dict[str, Force] = {"auto": None, "always": "staged"}
 """A Session's ``staging`` setting as ``stage``'s ``force`` ("never" stages nothing)."""
 
-_HUGE = 1 << 62
-
-COPY_COST = 1.0
-"""Default wire-byte equivalents of one locally copied byte (``Capabilities.copy_cost``): the
-driver's large-copy bandwidth over the local copier's."""
+_UNBOUNDED = 1 << 62
+"""A capacity beyond any memory, clear of uint64 overflow when offsets are added to it."""
 
 
 class Route(NamedTuple):
     """How a region group moves, and why the cost model chose it."""
 
-    path: Path
+    path: RoutePath
     why: str
 
 
-class _Staged(NamedTuple):
+class _RoutedGroup(NamedTuple):
     """One group's route and the piece tables its copies need."""
 
-    group: _Group
-    path: Path
+    group: RegionGroup
+    path: RoutePath
     unit: int  # bytes per (region, slot pair)
     pieces: Pieces  # sorted by destination (pack, both) or by source (unpack)
     at: np.ndarray  # (P,) uint64 offset of each piece within a unit's staging block
@@ -78,7 +76,7 @@ def _contiguous(start: np.ndarray, nbytes: np.ndarray) -> bool:
 
 
 def _choose(
-    g: _Group, descriptor_bytes: int, copy_cost: float, force: Force
+    g: RegionGroup, descriptor_bytes: int, copy_cost: float, force: Force
 ) -> tuple[Route, Pieces]:
     p = g.pieces
     count, unit = p.src.size, int(p.nbytes.sum())
@@ -89,21 +87,21 @@ def _choose(
     copy = copy_cost * unit
     # Where a slot holds k pages of the other side's and a page's range on the staged side is
     # contiguous and as long as a page, the k wire copies of its pages join into one.
-    pair = g.pairing
+    a = g.alignment
     joins = {
-        "pack": pair.dst_pages if dst_contig and unit == pair.dst_shift else 1,
-        "unpack": pair.src_pages if src_contig and unit == pair.src_shift else 1,
+        "pack": a.dst_pages if dst_contig and unit == a.dst_shift else 1,
+        "unpack": a.src_pages if src_contig and unit == a.src_shift else 1,
     }
-    costs: dict[Path, float] = {"direct": count * descriptor_bytes, "both": 2 * copy}
+    costs: dict[RoutePath, float] = {"direct": count * descriptor_bytes, "both": 2 * copy}
     if dst_contig:
         costs["pack"] = descriptor_bytes / joins["pack"] + copy
     if src_contig:
         costs["unpack"] = descriptor_bytes / joins["unpack"] + copy
-    note = f"{pair.note}; " if pair.note else ""
+    note = f"{a.note}; " if a.note else ""
     if count == 1 and force is None and joins["pack"] == joins["unpack"] == 1:
         return Route("direct", f"{note}one piece of {unit} bytes per page: nothing to gather"), p
     if force in PATHS:
-        path: Path = force if force in costs else "both"  # type: ignore[assignment]
+        path: RoutePath = force if force in costs else "both"  # type: ignore[assignment]
         why = f"forced {force}" + ("" if force == path else f" (not possible: {path})")
     else:
         allowed = [q for q in PATHS if q in costs and (force != "staged" or q != "direct")]
@@ -134,7 +132,9 @@ class StagedPlan:
     plan, the driver's cost and the request.
     """
 
-    def __init__(self, plan: Plan, groups: list[_Staged], routes: dict[RegionKey, Route]) -> None:
+    def __init__(
+        self, plan: Plan, groups: list[_RoutedGroup], routes: dict[RegionKey, Route]
+    ) -> None:
         self.plan = plan
         self.routes: Mapping[RegionKey, Route] = routes
         self._direct = [s.group for s in groups if s.path == "direct"]
@@ -176,19 +176,23 @@ class StagedPlan:
         for name, cap in (("src_capacity", src_capacity), ("dst_capacity", dst_capacity)):
             if type(cap) is not int or cap < 0:
                 raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
-        # Beyond any memory, a capacity only has to stay clear of uint64 overflow.
-        src_capacity, dst_capacity = min(src_capacity, _HUGE), min(dst_capacity, _HUGE)
-        slots = {pool: self.plan._slot_runs(pool, pair) for pool, pair in request.items()}
-        on_wire = self.plan._expand(slots, self._direct) if direct else Descriptors.empty()
-        parts: list[tuple[_Staged, Pairs]] = []
-        requested: dict[str, Pairs] = {}
+        src_capacity, dst_capacity = min(src_capacity, _UNBOUNDED), min(dst_capacity, _UNBOUNDED)
+        slots = self.plan.page_pairs(request)
+        on_wire = self.plan.expand_groups(slots, self._direct) if direct else Descriptors.empty()
+        parts: list[tuple[_RoutedGroup, PagePairs]] = []
+        requested: dict[str, PagePairs] = {}
         for s in self._staged:
             pairs = slots.get(s.group.pool)
             if pairs is None or not pairs.src.size:
                 continue
             if s.path == "unpack":
+                # An unpacked group's wire copies land in consecutive staging blocks, so they
+                # join where the source's pages follow each other in the request (the short
+                # pages of one long source slot, a prefill's run of slots) rather than where
+                # the destination's do. Both sides know that order; the source's slots only
+                # the source.
                 if s.group.pool not in requested:
-                    requested[s.group.pool] = _in_request_order(pairs)
+                    requested[s.group.pool] = pairs.in_request_order()
                 pairs = requested[s.group.pool]
             parts.append((s, pairs))
         for s, _ in parts:
@@ -208,8 +212,8 @@ class StagedPlan:
 class _Part(NamedTuple):
     """Units [u0, u1) of one group in one round, and where their staging blocks start."""
 
-    staged: _Staged
-    slots: Pairs
+    staged: _RoutedGroup
+    slots: PagePairs
     u0: int
     u1: int
     src_at: int
@@ -228,7 +232,7 @@ class Round:
         units = sum(p.u1 - p.u0 for p in self._parts)
         return f"Round({units} units, staging {self.src_bytes} + {self.dst_bytes} bytes)"
 
-    def expand(self, src_stage: int, dst_stage: int) -> Staged:
+    def expand(self, src_stage: int, dst_stage: int) -> RoundCopies:
         """Absolute copies with the source's staging at ``src_stage``, the destination's at
         ``dst_stage`` (each ``src_bytes`` / ``dst_bytes`` long)."""
         for name, at, size in (
@@ -245,14 +249,14 @@ class Round:
             pack.append(p)
             wire.append(w)
             unpack.append(u)
-        return Staged(
+        return RoundCopies(
             Descriptors.concat([d for d in pack if len(d)]),
             _join(Descriptors.concat(wire)),
             Descriptors.concat([d for d in unpack if len(d)]),
         )
 
 
-class Staged(NamedTuple):
+class RoundCopies(NamedTuple):
     """A round's copies: local on the source, on the wire, local on the destination."""
 
     pack: Descriptors
@@ -274,25 +278,7 @@ class StagedRequest(NamedTuple):
         return max((r.dst_bytes for r in self.rounds), default=0)
 
 
-def _in_request_order(pairs: Pairs) -> Pairs:
-    """``pairs`` in the caller's order: an unpacked group's wire copies land in consecutive
-    staging blocks, so they join where the source's pages follow each other in the request
-    (the short pages of one long source slot, a prefill's run of slots) rather than where the
-    destination's do. Both sides know that order; the source's slots only the source."""
-    if pairs.order is None:
-        return pairs
-    back = np.empty_like(pairs.order)
-    back[pairs.order] = np.arange(pairs.order.size)
-    return Pairs(
-        pairs.src[back],
-        pairs.dst[back],
-        None if pairs.src_page is None else pairs.src_page[back],
-        None if pairs.dst_page is None else pairs.dst_page[back],
-        None,
-    )
-
-
-def _rounds(parts: list[tuple[_Staged, Pairs]], src_cap: int, dst_cap: int) -> list[Round]:
+def _rounds(parts: list[tuple[_RoutedGroup, PagePairs]], src_cap: int, dst_cap: int) -> list[Round]:
     """Cut the units, in order, into rounds greedily: one loop step per round, not per unit."""
     if not parts:
         return []
@@ -328,7 +314,7 @@ def _rounds(parts: list[tuple[_Staged, Pairs]], src_cap: int, dst_cap: int) -> l
     return rounds
 
 
-def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> Staged:
+def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> RoundCopies:
     s, g = part.staged, part.staged.group
     src, dst = part.slots.offsets(g)
     n = np.uint64(src.size)
@@ -353,32 +339,25 @@ def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> Sta
 
     if s.path == "pack":
         a, b, ln = scatter(src_slot, p.src, src_block)
-        return Staged(
+        return RoundCopies(
             Descriptors(a, b, ln), Descriptors(src_block, dst_slot + p.dst[0], unit), none
         )
     if s.path == "unpack":
         a, b, ln = scatter(dst_slot, p.dst, dst_block)
-        return Staged(
+        return RoundCopies(
             none, Descriptors(src_slot + p.src[0], dst_block, unit), Descriptors(b, a, ln)
         )
     a, b, ln = scatter(src_slot, p.src, src_block)
     c, d, _ = scatter(dst_slot, p.dst, dst_block)
-    return Staged(
+    return RoundCopies(
         Descriptors(a, b, ln), Descriptors(src_block, dst_block, unit), Descriptors(d, c, ln)
     )
 
 
 def _join(d: Descriptors) -> Descriptors:
     """Merge neighbours contiguous on both sides (consecutive staging blocks, runs of slots)."""
-    if len(d) < 2:
-        return d
-    start = np.ones(len(d), dtype=bool)
-    end = d.src[:-1] + d.nbytes[:-1]
-    start[1:] = (end != d.src[1:]) | (d.dst[:-1] + d.nbytes[:-1] != d.dst[1:])
-    idx = np.flatnonzero(start)
-    if idx.size == len(d):
-        return d
-    return Descriptors(d.src[idx], d.dst[idx], np.add.reduceat(d.nbytes, idx).astype(np.uint64))
+    src, dst, nbytes = merge_neighbours(d.src, d.dst, d.nbytes)
+    return d if src is d.src else Descriptors(src, dst, nbytes)
 
 
 def stage(
@@ -393,17 +372,16 @@ def stage(
     direct; a path a group's pieces cannot take falls back to ``"both"``).
     """
     expect(plan, Plan, "stage(plan, ...)")
-    if type(descriptor_bytes) is not int or descriptor_bytes < 0:
-        raise PlanError(f"descriptor_bytes must be an int >= 0, not {descriptor_bytes!r}")
-    if type(copy_cost) not in (int, float) or not 0 < copy_cost < 1e6:
-        raise PlanError(f"copy_cost must be a number in (0, 1e6), not {copy_cost!r}")
+    problem = descriptor_bytes_problem(descriptor_bytes) or copy_cost_problem(copy_cost)
+    if problem:
+        raise PlanError(problem)
     if force is not None and force not in (*PATHS, "staged"):
         raise PlanError(f"force must be None, 'staged' or one of {PATHS}, not {force!r}")
     groups, routes = [], {}
-    for g in plan._groups:
+    for g in plan.groups:
         route, pieces = _choose(g, descriptor_bytes, float(copy_cost), force)
         groups.append(
-            _Staged(g, route.path, int(pieces.nbytes.sum()), pieces, _offsets(pieces.nbytes))
+            _RoutedGroup(g, route.path, int(pieces.nbytes.sum()), pieces, _offsets(pieces.nbytes))
         )
         routes.update(dict.fromkeys(g.keys, route))
     return StagedPlan(plan, groups, routes)

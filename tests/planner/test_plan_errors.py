@@ -264,6 +264,24 @@ def test_expand_rejects_bad_input_and_produces_nothing(two_pools, slots, words) 
     assert np.array_equal(before.src, after.src) and np.array_equal(before.dst, after.dst)
 
 
+def test_slot_counts_are_read_only(two_pools) -> None:
+    """Before: ``src_slots``/``dst_slots`` were plain dicts that ``expand`` checks requests
+    against, so raising a count let a request name slots past the registered memory."""
+    p, _, _ = two_pools
+    with pytest.raises(TypeError):
+        p.src_slots["state"] = 100  # type: ignore[index]
+    with pytest.raises(TypeError):
+        p.dst_slots["state"] = 100  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        p.src_slots = {"state": 100}  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        p.dst_slots = {"state": 100}  # type: ignore[misc]
+    assert dict(p.src_slots) == {"kv": 8, "state": 3}
+    assert dict(p.dst_slots) == {"kv": 8, "state": 5}
+    with raises_naming("'state'", "source slot 3", "out of range [0, 3)"):
+        p.expand({"state": ([3], [4])})
+
+
 def test_expand_accepts_empty_and_missing_pools(two_pools) -> None:
     p, _, _ = two_pools
     assert len(p.expand({})) == 0
