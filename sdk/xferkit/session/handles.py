@@ -12,8 +12,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ..arguments import seconds
 from ..errors import XferError
-from ..transfer import seconds
 from .states import RequestError, Routes, State
 
 

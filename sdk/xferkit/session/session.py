@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from ..arguments import seconds
 from ..backend import Backend
 from ..closing import Closing
 from ..copier import CPU
 from ..errors import XferError
 from ..manifest import Manifest
-from ..transfer import seconds
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
 from .keys import SessionKeys
