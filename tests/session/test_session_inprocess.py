@@ -190,3 +190,36 @@ def test_a_driver_that_works_inside_its_post_never_silences_the_heartbeats() -> 
     finally:
         pre.close()
         dec.close()
+
+
+def test_a_burst_of_slow_commands_never_silences_the_heartbeats() -> None:
+    """Under 200 concurrent requests on a starved CPU, each command took milliseconds and the
+    control thread ran the whole burst before it read a Ping again: for seconds no Pong went
+    out and decode ranks declared a live prefill rank lost (on NIXL and Mooncake, with the
+    two cores kept busy). A pass of the loop now spends at most ``shell.BUDGET_S`` on
+    commands before it reads its sockets and runs its timers."""
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    options = {"heartbeat_s": 0.1, "dead_after_s": 0.6}
+    pre = Session(Backend(MockDriver()), ref.srcs[0].manifest, **options)  # type: ignore[arg-type]
+    dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, **options)  # type: ignore[arg-type]
+    try:
+        recv = dec.expect("r", [pre.address], {"kv": [2]})
+        pre.offer("r").write({"kv": [1]}, last=True)
+        assert recv.wait(10) is State.DONE  # the pair is up
+        waiting = dec.expect("after", [pre.address], {"kv": [3]})
+        core = pre._protocol
+        offer = core.offer
+
+        def slow_offer(*args: object) -> object:
+            time.sleep(0.005)  # a command that takes 5 ms on a starved CPU
+            return offer(*args)  # type: ignore[arg-type]
+
+        core.offer = slow_offer  # type: ignore[method-assign, assignment]
+        burst = [pre.offer(f"b{i}") for i in range(300)]  # 1.5 s of commands, queued at once
+        last = pre.offer("after")
+        last.write({"kv": [1]}, last=True)
+        assert waiting.wait(20) is State.DONE and last.wait(20) is State.DONE
+        assert all(h.poll() is State.WAITING for h in burst)  # offered, held for a decode rank
+    finally:
+        pre.close()
+        dec.close()

@@ -148,12 +148,16 @@ FULL = {"staging": "always", "staging_bytes": 1 << 14, "staging_slice_bytes": 1 
 
 
 def _hold_staging(r: Ranks, rid: str) -> list[xk.Send]:
-    """Request ``rid``, whose first round stalls in the driver: its chunk keeps the staging."""
+    """Request ``rid``, whose first round stalls in the driver: its chunk keeps the staging
+    (returns once that round is posted)."""
     for d in r.dec:
         d.expect(rid, r.sources, {"kv": list(range(24))})
     sends = [p.offer(rid) for p in r.pre]
     for h in sends:
         h.write({"kv": list(range(24))}, last=True)
+    limit = time.monotonic() + 10
+    while sends[0].poll() is not State.TRANSFERRING and time.monotonic() < limit:
+        time.sleep(0.01)
     return sends
 
 

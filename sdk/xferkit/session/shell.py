@@ -20,11 +20,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 import zmq
 import zmq.auth.thread
-import zmq.utils.monitor
 
 from ..backend import Backend
 from ..copier import Copier
@@ -41,16 +40,9 @@ POLL_S = 0.001
 """How often notifications are polled for a driver without a descriptor to sleep on."""
 YIELD_S = 5e-5
 """How long the control thread pauses in a burst while the data plane has posts to take."""
-_MONITORED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
-
-
-def _waiting(sock: zmq.Socket[Any]) -> bool:
-    """Whether a message waits on ``sock`` (cheaper than a receive failing with EAGAIN, which
-    costs an exception at the end of every drain)."""
-    try:
-        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
-    except zmq.ZMQError:
-        return True  # the receive says what is wrong
+BUDGET_S = 0.02
+"""The most one pass of the loop spends on commands, or on one socket's messages, before the
+timers run: a burst of slow commands on a starved CPU held the Pongs back for seconds."""
 
 
 class Shell:
@@ -77,6 +69,7 @@ class Shell:
         self.commands: deque[tuple[Any, ...]] = deque()
         self.progress: list[str] = []
         self._woken = False
+        self._until = math.inf  # this pass's budget runs out (BUDGET_S)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -170,16 +163,20 @@ class Shell:
                 wait = max(p.next_deadline() - now, 0.0)
                 if self._poll_notes and p.incoming.recvs:
                     wait = min(wait, POLL_S)
+                if self.commands:  # left over by the last pass's budget
+                    wait = 0.0
                 events = dict(self._poller.poll(math.ceil(min(wait, 0.05) * 1000)))
                 if events.pop(wake, None) is not None:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
+                self._until = time.monotonic() + BUDGET_S
                 self._drain_router(events)
                 self._drain_dealers(events)
                 if (
                     self._notify_fd is not None and events.pop(self._notify_fd, None) is not None
                 ) or (self._poll_notes and p.incoming.recvs):
                     self._drain_notifications()
+                self._until = time.monotonic() + BUDGET_S
                 if self.commands and self._run_commands():
                     return
                 now = time.monotonic()
@@ -201,6 +198,8 @@ class Shell:
                 if not self.commands:
                     self._woken = False
                     return False
+                if time.monotonic() > self._until:
+                    return False  # the rest after the timers (the loop polls without waiting)
                 cmd = self.commands.popleft()
             self._yield()
             kind, args = cmd[0], cmd[1:]
@@ -216,6 +215,7 @@ class Shell:
     def _close(self, why: str) -> None:
         p = self.protocol
         assert p is not None
+        self._until = math.inf  # every command left runs now
         self._apply(p.close(why, time.monotonic()))
         self._flush()
         limit = time.monotonic() + DRAIN_S
@@ -236,7 +236,7 @@ class Shell:
         p = self.protocol
         assert p is not None
         router = self.router
-        while _waiting(router):
+        while sockets.waiting(router) and time.monotonic() <= self._until:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -260,7 +260,11 @@ class Shell:
         for sock in list(events):
             conn = self._dealers.get(sock)
             if conn is not None:
-                while self._socks.get(conn) is sock is not None and _waiting(sock):
+                while (
+                    self._socks.get(conn) is sock is not None
+                    and sockets.waiting(sock)
+                    and time.monotonic() <= self._until
+                ):
                     try:
                         data = sock.recv(zmq.NOBLOCK)
                     except zmq.ZMQError:
@@ -277,20 +281,14 @@ class Shell:
     def _on_monitor(self, mon: zmq.Socket[Any], conn: act.Conn) -> None:
         p = self.protocol
         assert p is not None
-        while True:
-            try:
-                event = zmq.utils.monitor.recv_monitor_message(mon, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
+        for event in sockets.monitor_events(mon):
             if self._socks.get(conn) is None:
                 return
             now = time.monotonic()
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = (
-                    f"{conn[1]} refused this session's Curve key (it is not among its trusted keys)"
-                )
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = f"{conn[1]} refused this session's Curve key (not among its trusted keys)"
                 self._apply(p.refused(conn, why, now))
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED:
                 self._apply(p.disconnected(conn, now))
 
     def _decode(self, data: bytes, who: str) -> wire.Message | None:
@@ -378,7 +376,7 @@ class Shell:
         self._socks[conn] = sock
         self._dealers[sock] = conn
         self._poller.register(sock, zmq.POLLIN)
-        mon = sock.get_monitor_socket(_MONITORED)
+        mon = sock.get_monitor_socket(sockets.MONITORED)
         self._monitors[mon] = conn
         self._poller.register(mon, zmq.POLLIN)
 

@@ -3,10 +3,11 @@ the ZAP callback that trusts only the configured keys."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.auth.thread
+import zmq.utils.monitor
 
 from ..errors import XferError
 from . import wire
@@ -15,6 +16,27 @@ from .keys import KEY_LEN, SessionKeys
 
 HWM = 100_000
 """ZMQ high-water mark of every socket: messages queued before a send would block."""
+MONITORED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
+"""What a DEALER's monitor reports: a refused Curve key, a peer whose connection closed."""
+
+
+def monitor_events(mon: zmq.Socket[Any]) -> list[int]:
+    """The events waiting on a socket monitor."""
+    events = []
+    while True:
+        try:
+            events.append(int(zmq.utils.monitor.recv_monitor_message(mon, zmq.NOBLOCK)["event"]))
+        except zmq.ZMQError:
+            return events
+
+
+def waiting(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock`` (cheaper than a receive failing with EAGAIN, which
+    costs an exception at the end of every drain)."""
+    try:
+        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+    except zmq.ZMQError:
+        return True  # the receive says what is wrong
 
 
 class Trust:
