@@ -95,6 +95,11 @@ def test_a_real_driver_hands_over_byte_checked(driver: str) -> None:
         f"{driver} tp 1:2 never",
         f"{driver} tp 1:2 always",
     ]
+    never, always = data["cases"]  # the routes each request took, from its handles
+    assert never["staged_chunks"] == 0 and never["direct_chunks"] > 0
+    assert always["direct_chunks"] == 0 and always["staged_chunks"] > 0
+    for r in always["records"]:
+        assert r["routes"]["staged_chunks"] > 0 and r["routes"]["staging_wait_s"] >= 0
 
 
 def test_plot_writes_a_png_with_the_expected_series(tmp_path: Path) -> None:
@@ -113,7 +118,9 @@ def test_plot_writes_a_png_with_the_expected_series(tmp_path: Path) -> None:
 def test_the_table_names_every_column() -> None:
     run = xferkit("bench", "--tp", "1:1", *SMALL)
     assert run.returncode == 0, run.stderr
-    for column in ("bytes/req", "descs/req", "GB/s", "req/s", "p50 ms", "p99 ms", "ratio"):
+    for column in (
+        "bytes/req", "descs/req", "GB/s", "req/s", "p50 ms", "p99 ms", "staged", "ratio",
+    ):  # fmt: skip
         assert column in run.stdout
     assert "loopback tp 1:1 auto" in run.stdout and "checked" in run.stdout
 

@@ -354,7 +354,7 @@ class _Runner:
                     raise BenchError(FAILED, f"{r.name} exited (code {r.proc.exitcode})") from None
                 if msg[0] != "done":
                     continue
-                _, rid, start, end, error, verified = msg
+                _, rid, start, end, error, verified, routes = msg
                 rid = str(rid)
                 record, dst, waiting = self.pending[rid]
                 if error:
@@ -362,6 +362,7 @@ class _Runner:
                 if isinstance(verified, str):
                     raise BenchError(CHECK, f"request {rid}: {r.name}: {verified}")
                 (record.decode if r.name in decode else record.prefill).append((start, end))
+                record.route(*routes)
                 if r.name in decode and verified is True:
                     record.verified = record.verified is not False
                 waiting.discard(r.name)

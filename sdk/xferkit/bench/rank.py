@@ -94,7 +94,7 @@ class _Rank:
         try:
             handle = begin()
         except XferError as exc:
-            self.send(("done", rid, started, time.monotonic(), _text(exc), None))
+            self.send(("done", rid, started, time.monotonic(), _text(exc), None, (0, 0, 0.0)))
             return
         t = threading.Thread(target=self._wait, args=(rid, handle, started, check), daemon=True)
         t.start()
@@ -117,7 +117,9 @@ class _Rank:
             except AssertionError as exc:
                 verified = str(exc)
             self.checker.reset(self.rank.arrays, check)
-        self.send(("done", rid, started, ended, error, verified))
+        r = handle.routes
+        routes = (r.staged, r.direct, r.staging_wait_s)
+        self.send(("done", rid, started, ended, error, verified, routes))
 
     def serve(self) -> None:
         s = self.session

@@ -1,12 +1,12 @@
 """What the bench records per request and per case (the JSON of ``xferkit bench --json``).
 
-A request's record is filled from outside the Session today: each rank's own
-``expect``/``offer`` -> DONE interval (monotonic seconds, one clock per host)
-and the plan's bytes and descriptors. ``timeline`` is where a per-stage split
-will plug in once the Session exports one: ``{stage: [start, end]}`` in
-seconds from the request's start, stages from ``STAGES``; ``routes`` then gains
-the staged and direct routes beside the plan's. Until then ``timeline`` is
-empty and the table shows no split columns.
+A request's record holds each rank's own ``expect``/``offer`` -> DONE interval
+(monotonic seconds, one clock per host), the plan's bytes and descriptors, and
+how its chunks went (``handle.routes`` of every rank: chunks staged and direct,
+seconds waited for staging). ``timeline`` is where a per-stage split will plug
+in once the Session exports one: ``{stage: [start, end]}`` in seconds from the
+request's start, stages from ``STAGES``. Until then ``timeline`` is empty and
+the table shows no split columns.
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ class Record:
     verified: bool | None = None
     warmup: bool = False
     timeline: dict[str, tuple[float, float]] = field(default_factory=dict)
+    staged: int = 0  # chunks (per decode rank written) by route, over every prefill rank
+    direct: int = 0
+    staging_wait_s: float = 0.0  # the longest any rank's chunks waited for staging
+
+    def route(self, staged: int, direct: int, waited: float) -> None:
+        """Add one rank's ``handle.routes``."""
+        self.staged += staged
+        self.direct += direct
+        self.staging_wait_s = max(self.staging_wait_s, waited)
 
     @property
     def start(self) -> float:
@@ -49,7 +58,12 @@ class Record:
             "id": self.id,
             "bytes": self.bytes,
             "descriptors": self.descriptors,
-            "routes": {"plan": {"bytes": self.bytes, "descriptors": self.descriptors}},
+            "routes": {
+                "plan": {"bytes": self.bytes, "descriptors": self.descriptors},
+                "staged_chunks": self.staged,
+                "direct_chunks": self.direct,
+                "staging_wait_s": self.staging_wait_s,
+            },
             "start": self.start,
             "end": self.end,
             "latency_s": self.latency_s,
@@ -67,6 +81,7 @@ def summary(records: list[Record]) -> dict[str, Any]:
     total = sum(r.bytes for r in records)
     lat = np.array([r.latency_s for r in records])
     checked = [r.verified for r in records]
+    waits = np.array([r.staging_wait_s for r in records])
     return {
         "requests": len(records),
         "bytes_per_request": int(np.median([r.bytes for r in records])),
@@ -77,4 +92,7 @@ def summary(records: list[Record]) -> dict[str, Any]:
         "p50_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_ms": float(np.percentile(lat, 99) * 1e3),
         "verified": None if any(c is None for c in checked) else all(checked),
+        "staged_chunks": sum(r.staged for r in records),
+        "direct_chunks": sum(r.direct for r in records),
+        "staging_wait_p99_ms": float(np.percentile(waits, 99) * 1e3),
     }

@@ -30,13 +30,19 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
+def _share(staged: int, direct: int) -> str:
+    """The chunks that went staged, as a share of all (a dash where none could)."""
+    total = staged + direct
+    return f"{staged / total:.0%}" if total else "-"
+
+
 def bench_table(cases: list[dict[str, Any]], title: str) -> Any:
     """One row per case: the comparable columns, and the ceiling measured in the same run."""
     Table = need("rich.table", "cli").Table
     t = Table(title=title, title_justify="left")
     for name in (
         "case", "bytes/req", "descs/req", "GB/s", "req/s", "p50 ms", "p99 ms",
-        "memcpy GB/s", "1-desc GB/s", "ratio", "check",
+        "staged", "wait p99 ms", "memcpy GB/s", "1-desc GB/s", "ratio", "check",
     ):  # fmt: skip
         t.add_column(name, justify="left" if name == "case" else "right")
     for c in cases:
@@ -50,6 +56,8 @@ def bench_table(cases: list[dict[str, Any]], title: str) -> Any:
             f"{c['requests_per_s']:.1f}",
             f"{c['p50_ms']:.2f}",
             f"{c['p99_ms']:.2f}",
+            _share(c["staged_chunks"], c["direct_chunks"]),
+            f"{c['staging_wait_p99_ms']:.1f}",
             f"{ceiling.get('memcpy_gbps', 0):.2f}",
             f"{ceiling.get('driver_gbps', 0):.2f}",
             "" if c["ratio"] is None else f"{c['ratio']:.2f}",
