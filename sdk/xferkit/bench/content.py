@@ -127,6 +127,20 @@ class Checker:
             out[rows] = _hash(spec, s_slot[rows], maps[p]).reshape(len(rows), -1)
         return out
 
+    def audit(self, arrays: Mapping[Any, np.ndarray]) -> str:
+        """What is non-zero in a decode rank's regions once every request was checked and
+        reset (each slot is free again): a late or stray write. Empty when none."""
+        for spec in self.specs:
+            array = arrays.get(spec.key)
+            if array is not None and array.size:
+                dirty = np.flatnonzero(array.reshape(array.shape[0], -1).any(axis=1))
+                if dirty.size:
+                    return (
+                        f"region {key_label(spec.key)}: slot {int(dirty[0])} holds bytes after "
+                        f"every request ended ({dirty.size} slots): a write outside its request"
+                    )
+        return ""
+
     def reset(
         self, arrays: Mapping[Any, np.ndarray], request: dict[str, tuple[list[int], list[int]]]
     ) -> None:

@@ -373,4 +373,18 @@ class _Runner:
                     records.append(record)
                     if not record.warmup:
                         tick()
+        if work.verify:
+            self._audit(timeout)
         return records
+
+    def _audit(self, timeout: float) -> None:
+        """Every decode slot is free again, and zero (each checked request's were reset): a
+        byte that landed in a slot after its request ended, or outside any, shows here."""
+        for r in self.cluster.decode:
+            r.conn.send(("audit",))
+        for r in self.cluster.decode:
+            if not r.conn.poll(timeout):
+                raise BenchError(FAILED, f"{r.name} did not answer the audit in {timeout:.0f} s")
+            _, problem = r.conn.recv()
+            if problem:
+                raise BenchError(CHECK, f"{r.name}: {problem}")

@@ -133,6 +133,10 @@ class _Rank:
             if cmd[0] == "expect":
                 _, rid, sources, slots, check = cmd
                 self.start(rid, partial(s.expect, rid, sources, slots), check)
+            elif cmd[0] == "audit":
+                for t in self.threads:
+                    t.join(10)  # every request's check and reset come first
+                self.send(("audit", self.checker.audit(self.rank.arrays)))
             elif cmd[0] == "offer":
                 _, rid, chunks = cmd
                 self.start(rid, partial(_offer, s, rid, chunks))
