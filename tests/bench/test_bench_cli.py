@@ -115,6 +115,15 @@ def test_plot_writes_a_png_with_the_expected_series(tmp_path: Path) -> None:
     assert series["cdf"] == ["loopback tp 1:1 auto", "loopback tp 1:2 auto"]
 
 
+def test_a_token_range_draws_each_request_length() -> None:
+    args = ["--tokens", "16-512", "--requests", "12", "--concurrency", "4", "--chunks", "2"]
+    data = bench_json("--tp", "1:2", *args)
+    _consistent(data, 12)
+    assert data["model"]["min_tokens"] == 16 and data["model"]["tokens"] == 512
+    sizes = {r["bytes"] for r in data["cases"][0]["records"]}
+    assert len(sizes) > 3  # lengths differ (and every byte of each was checked)
+
+
 def test_the_table_names_every_column() -> None:
     run = xferkit("bench", "--tp", "1:1", *SMALL)
     assert run.returncode == 0, run.stderr
@@ -178,6 +187,7 @@ def _one_line(run: subprocess.CompletedProcess[str], code: int, *words: str) -> 
         (["--preset", "gpt5"], 2, ["gpt5"]),
         (["--preset", "mla", "--layout", "hnd"], 2, ["mla", "head axis"]),
         (["--page", "16:24"], 2, ["16:24", "multiple"]),
+        (["--tokens", "64-16"], 2, ["64-16", "below"]),
         (["--tp", "3:1", "--quiet"], 2, ["ManifestError", "tp_size 3"]),
         (["--driver", "nope"], 3, ["'nope'", "backends: ["]),
         (["--driver", "example"], 3, ["cross_process=False"]),

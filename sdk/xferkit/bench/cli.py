@@ -10,6 +10,8 @@ import sys
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from .errors import FAILED, USAGE, BenchError, exit_codes_help
 from .models import PRESETS
 
@@ -41,6 +43,14 @@ def _layouts(text: str) -> tuple[str, str]:
     if len(parts) != 2 or not set(parts) <= {"nhd", "hnd"}:
         raise argparse.ArgumentTypeError(f"{text!r} is not nhd, hnd or PREFILL:DECODE of them")
     return parts[0], parts[1]
+
+
+def _tokens(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    low, high = _positive(lo), _positive(hi) if sep else 0
+    if sep and high < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: the range ends below its start")
+    return (low, high) if sep else (0, low)
 
 
 def _positive(text: str) -> int:
@@ -122,7 +132,9 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--layers", type=_positive, help="layers (default: the preset's)")
     bench.add_argument("--tp", type=_pairs, help="PREFILL:DECODE TP sizes, comma-separated cases")
     bench.add_argument("--pp", type=_pair, default=(1, 1), help="PREFILL:DECODE pipeline stages")
-    bench.add_argument("--tokens", type=_positive, help="tokens per request")
+    bench.add_argument(
+        "--tokens", type=_tokens, help="tokens per request, or LO-HI: each drawn at random"
+    )
     bench.add_argument("--page", type=_pair, help="PREFILL:DECODE tokens per KV page")
     bench.add_argument(
         "--layout", type=_layouts, default=("nhd", "nhd"), help="nhd, hnd or nhd:hnd"
@@ -226,7 +238,7 @@ def _bench(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     layers = args.layers or preset.layers
     pages = args.page or (preset.page, preset.page)
-    tokens = args.tokens or preset.tokens
+    min_tokens, tokens = args.tokens or (0, preset.tokens)
     try:
         specs = shaped(preset, layers, pages, args.layout)
     except ValueError as exc:
@@ -242,10 +254,11 @@ def _bench(args: argparse.Namespace) -> int:
     ]
     work = Workload(
         specs, tokens, pages, args.requests, args.concurrency, args.chunks,
-        verify=not args.no_verify, keys=args.keys, debug=args.debug,
+        verify=not args.no_verify, keys=args.keys, debug=args.debug, min_tokens=min_tokens,
     )  # fmt: skip
     err.print(
-        f"[bold]{preset.name}[/]: {preset.about}; {layers} layers, {tokens} tokens a request, "
+        f"[bold]{preset.name}[/]: {preset.about}; {layers} layers, "
+        f"{f'{min_tokens}-' if min_tokens else ''}{tokens} tokens a request, "
         f"pages {pages[0]}:{pages[1]} tokens, layout {args.layout[0]}:{args.layout[1]}; "
         f"{args.requests} requests a case, {args.concurrency} in flight, {args.chunks} chunk(s)"
     )
@@ -263,7 +276,7 @@ def _bench(args: argparse.Namespace) -> int:
         for case in cases:
             task = progress.add_task(case.label, total=args.requests)
             result = run_case(case, work, partial(progress.advance, task), seed=args.seed)
-            nbytes = sorted(r.bytes for r in result.measured)[len(result.measured) // 2]
+            nbytes = int(np.median([r.bytes for r in result.measured]))  # as the table's
             key = (case.driver, nbytes)
             if key not in ceilings:
                 progress.update(task, description=f"{case.label} (ceiling)")
@@ -285,7 +298,8 @@ def _bench(args: argparse.Namespace) -> int:
     data = {
         "command": "bench",
         "model": {
-            "preset": preset.name, "layers": layers, "tokens": tokens, "pages": list(pages),
+            "preset": preset.name, "layers": layers, "tokens": tokens,
+            "min_tokens": min_tokens, "pages": list(pages),
             "layout": list(args.layout), "requests": args.requests,
             "concurrency": args.concurrency, "chunks": args.chunks, "keys": args.keys,
             "verify": not args.no_verify, "pp": list(args.pp),

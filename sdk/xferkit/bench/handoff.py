@@ -58,16 +58,23 @@ class Workload:
     keys: bool = False
     debug: bool = False
     session: dict[str, Any] = field(default_factory=dict)
+    min_tokens: int = 0  # > 0: each request's length is drawn from [min_tokens, tokens]
 
     @property
     def model_pages(self) -> int:
         return math.ceil(self.tokens / min(self.pages))
 
-    def slot_counts(self) -> tuple[int, int]:
-        """KV slots a request names on the prefill and on the decode side."""
+    def slot_counts(self, tokens: int | None = None) -> tuple[int, int]:
+        """KV slots a request of ``tokens`` (the longest by default) names on the prefill and
+        on the decode side."""
         lo = min(self.pages)
-        n = self.model_pages
+        n = math.ceil((tokens or self.tokens) / lo)
         return math.ceil(n / (self.pages[0] // lo)), math.ceil(n / (self.pages[1] // lo))
+
+    def draw_tokens(self, rng: np.random.Generator) -> int:
+        if not self.min_tokens:
+            return self.tokens
+        return int(rng.integers(self.min_tokens, self.tokens + 1))
 
     @property
     def pools(self) -> set[str]:
@@ -295,7 +302,7 @@ class _Runner:
 
     def _issue(self, n: int, warmup: bool) -> None:
         work = self.work
-        n_src, n_dst = work.slot_counts()
+        n_src, n_dst = work.slot_counts(work.draw_tokens(self.rng))
         rid = f"r{n}"
         request: dict[str, tuple[list[int], list[int]]] = {}
         for pool in self.src_counts:
