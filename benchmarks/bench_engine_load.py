@@ -1,0 +1,138 @@
+"""An engine's load through real Sessions in real processes, on every driver, quiet and busy.
+
+Each row is one ``xferkit bench`` case (``xferkit.bench.handoff.run_case``): prefill
+and decode ranks as separate processes with Session defaults, ``--requests``
+requests of random length (``--min-tokens``..``--tokens``) with ``--concurrency``
+in flight, each in ``--chunks`` chunks plus its state slot, every byte checked
+and every decode slot audited after the last. ``busy`` rows run the same with
+``--hogs`` processes spinning on the CPU, as an unrelated job would. ``one large``
+rows move a single request of ``--large-tokens`` at a time: the aggregate under
+load over it is the ``vs 1 large`` column. A failed request ends its row with the
+root cause (its stage first). Prints a table and writes
+benchmarks/results/engine_load.json.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from report import Column, script
+
+from xferkit.bench.errors import BenchError
+from xferkit.bench.handoff import Case, Workload, run_case
+from xferkit.bench.models import PRESETS, shaped
+
+DRIVERS = ("loopback", "mooncake", "nixl")
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def _busy(hogs: int) -> Iterator[None]:
+    """``hogs`` processes keeping the cores busy for as long as the block runs."""
+    procs = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(hogs)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+def _case(
+    driver: str, work: Workload, tp: tuple[int, int], machine: str, shape: str, hogs: int
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"driver": driver, "shape": shape, "machine": machine}
+    started = time.monotonic()
+    try:
+        with _busy(hogs if machine == "busy" else 0):
+            result = run_case(Case(driver, tp), work).to_json()
+    except BenchError as exc:
+        text = str(exc)
+        return {**row, "done": 0, "failed": work.requests, "error": text,
+                "wall_s": time.monotonic() - started}  # fmt: skip
+    result.pop("records")
+    return {
+        **row, "done": result["requests"], "failed": 0, "error": "",
+        "wall_s": time.monotonic() - started, **result,
+    }  # fmt: skip
+
+
+def run(
+    preset: str, tp: str, requests: int, concurrency: int, chunks: int, min_tokens: int,
+    tokens: int, large_tokens: int, hogs: int, drivers: str,
+) -> list[dict[str, Any]]:  # fmt: skip
+    p = PRESETS[preset]
+    specs = shaped(p, p.layers, (p.page, p.page), ("nhd", "nhd"))
+    pair = (int(tp.split(":")[0]), int(tp.split(":")[1]))
+    load = Workload(specs, tokens, (p.page, p.page), requests, concurrency, chunks,
+                    min_tokens=min_tokens)  # fmt: skip
+    large = Workload(specs, large_tokens, (p.page, p.page), 3, 1, chunks)
+    rows = []
+    for driver in drivers.split(","):
+        one = _case(driver, large, pair, "quiet", "one large", 0)
+        rows.append(one)
+        for machine in ("quiet", "busy"):
+            row = _case(driver, load, pair, machine, f"{min_tokens}-{tokens} tokens", hogs)
+            if row["done"] and one["done"]:
+                row["vs_large"] = row["gbps"] / one["gbps"]
+            rows.append(row)
+    return rows
+
+
+def _get(key: str, spec: str) -> Any:
+    return lambda r: format(r[key], spec) if key in r else "-"
+
+
+def _staged(r: dict[str, Any]) -> str:
+    if "staged_chunks" not in r:
+        return "-"
+    return f"{r['staged_chunks']}/{r['staged_chunks'] + r['direct_chunks']}"
+
+
+COLUMNS = [
+    Column("driver", "driver", width=9, left=True),
+    Column("shape", "shape", width=16, left=True),
+    Column("machine", "machine", width=7, left=True),
+    Column("done", "done", width=6),
+    Column("failed", "failed", width=7),
+    Column("req/s", _get("requests_per_s", ".1f"), width=7),
+    Column("GB/s", _get("gbps", ".3f"), width=7),
+    Column("p50 ms", _get("p50_ms", ".0f"), width=8),
+    Column("p99 ms", _get("p99_ms", ".0f"), width=8),
+    Column("staged", _staged, width=10),
+    Column("wait p99", _get("staging_wait_p99_ms", ".1f"), width=10),
+    Column("vs 1 large", _get("vs_large", ".2f"), width=11),
+    Column(" error", lambda r: " " + r["error"][:60], width=61, left=True),
+]
+
+
+if __name__ == "__main__":
+    script(
+        "engine_load",
+        __doc__,
+        run,
+        COLUMNS,
+        {
+            "preset": ("tiny", "model shape (xferkit bench's presets)"),
+            "tp": ("2:4", "PREFILL:DECODE TP sizes"),
+            "requests": (200, "requests per row"),
+            "concurrency": (200, "requests in flight"),
+            "chunks": (3, "prefill writes per request"),
+            "min_tokens": (16, "shortest request"),
+            "tokens": (1024, "longest request"),
+            "large_tokens": (16384, "the one large request's length"),
+            "hogs": (os.cpu_count() or 2, "CPU-spinning processes on busy rows"),
+            "drivers": (",".join(DRIVERS), "comma-separated"),
+        },
+    )
