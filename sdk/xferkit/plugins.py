@@ -32,7 +32,7 @@ from .options import DriverOptions, parse
 
 hookspec = pluggy.HookspecMarker("xferkit")
 
-__all__ = ["BackendInfo", "backends", "open_backend"]
+__all__ = ["BackendInfo", "accepted_options", "backends", "open_backend"]
 
 
 class BackendInfo(msgspec.Struct, frozen=True):
@@ -200,6 +200,21 @@ def _unknown(name: str) -> str:
         f"{text}. xferkit finds plugins in the 'xferkit' entry-point group "
         "([project.entry-points.xferkit] in the plugin's pyproject.toml)"
     )
+
+
+def accepted_options(name: str) -> frozenset[str]:
+    """The option names backend ``name`` takes: its ``Options`` fields, else its ``__init__``
+    keywords. Loads the driver class (no engine is opened); ``PluginError`` if it cannot."""
+    expect(name, str, "accepted_options() (a backend name)")
+    matches = [f for f in _discover() if f.spec.name == name]
+    if not matches:
+        raise PluginError(_unknown(name), subject=name)
+    cls = _load(matches[0])
+    if cls.Options is not None:
+        return frozenset(cls.Options.__struct_fields__)
+    params = inspect.signature(cls).parameters.values()
+    keywords = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return frozenset(p.name for p in params if p.kind in keywords)
 
 
 def open_backend(name: str, **options: Any) -> Backend:

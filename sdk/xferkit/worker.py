@@ -3,7 +3,30 @@
 A driver whose engine call returns only when the batch is done posts a
 ``QueuedBatch`` to a ``BatchWorker``; the core sees a ``Posted`` that turns
 DONE or FAILED when the thread has run it. Drivers import both from
-``xferkit.driver``.
+``xferkit.driver``::
+
+    worker = BatchWorker(execute, name="mydriver-peer-1")   # one per peer, in connect
+
+    def execute(batch: QueuedBatch) -> str | None:           # on the worker thread
+        # batch.descs: the Descriptors to move (None: a notification alone);
+        # batch.notify: the message to deliver after the data (None: none).
+        ...                                                  # the engine's blocking call
+        return None                                          # or your engine's error text
+
+    def post(self, link, descs, notify):                     # Driver.post
+        batch = QueuedBatch(descs, notify)
+        link.worker.post(batch)
+        return batch                                         # the Posted the core polls
+
+Release: the core calls ``release()`` to abort. A batch still queued is then
+dropped without running (FAILED, "aborted before it ran"). One already in
+``execute`` is not interrupted: ``execute`` notices by reading
+``batch.cancelled`` (a plain attribute, set from another thread) between the
+steps it can stop at, and returns when it has made sure no byte of the batch
+can land any more; until it returns, ``poll`` says PENDING, as the contract
+requires. An engine call that cannot be interrupted simply runs to its end.
+In ``disconnect``/``close``, ``stop()`` the worker and ``join`` it (every
+transfer on it has ended by then).
 """
 
 from __future__ import annotations
@@ -20,7 +43,10 @@ from .posted import Posted, Status
 class QueuedBatch(Posted):
     """One batch waiting for, or run by, a ``BatchWorker``. Subclass to carry driver state.
 
-    ``descs`` is None for a notification sent alone.
+    ``descs``: the checked ``Descriptors`` to move, or None for a notification sent alone.
+    ``notify``: the message to deliver after the data, or None. ``cancelled``: set when the
+    core released the batch; ``execute`` reads it to stop a running batch early.
+    ``finished``: an event set by ``end``.
     """
 
     __slots__ = ("_error", "_status", "cancelled", "descs", "finished", "notify")
@@ -43,7 +69,7 @@ class QueuedBatch(Posted):
         self.finished.wait(timeout)
 
     def release(self) -> None:
-        """A batch still queued is dropped; one already running finishes."""
+        """Abort: a batch still queued is dropped; one running sees ``cancelled`` and may stop."""
         self.cancelled = True
 
     def end(self, error: str | None = None) -> None:
@@ -59,7 +85,8 @@ B = TypeVar("B", bound="QueuedBatch")
 
 
 class BatchWorker(Generic[B]):
-    """A daemon thread running ``execute(batch) -> error text or None`` for each posted batch."""
+    """A daemon thread running ``execute(batch) -> error text or None`` for each posted batch,
+    in the order posted; an exception ``execute`` raises fails that batch, with its text."""
 
     def __init__(self, execute: Callable[[B], str | None], name: str) -> None:
         self._execute = execute

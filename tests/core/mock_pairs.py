@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from xferkit import Backend, Descriptors, Notification, Peer
+from xferkit import Backend, Descriptors, Notification
+from xferkit.testing import pairs as testing_pairs
 from xferkit.testing.conformance import drain_until
 from xferkit.testing.memory import descriptors, manifest_of, random_bytes
 from xferkit.testing.mock import Handler, MockDriver
+from xferkit.testing.pairs import connected_pair
 
 WAIT_S = 10.0
 
@@ -53,15 +54,8 @@ def forged(endpoint: bytes, blob: dict[str, Any] | None = None, **envelope: Any)
     return msgspec.msgpack.encode(fields)
 
 
-@dataclass
-class Pair:
+class Pair(testing_pairs.Pair):
     """``a`` writes into ``b``'s ``dst`` from its own ``src`` through ``peer``."""
-
-    a: Backend
-    b: Backend
-    src: np.ndarray
-    dst: np.ndarray
-    peer: Peer
 
     @property
     def driver(self) -> MockDriver:
@@ -81,12 +75,18 @@ class Pair:
 
 @contextlib.contextmanager
 def mock_pair(
-    handler: Handler | None = None, *, size: int = 1 << 16, **options: Any
+    handler: Handler | None = None,
+    *,
+    size: int = 1 << 16,
+    sender: MockDriver | None = None,
+    **options: Any,
 ) -> Iterator[Pair]:
-    """Two connected mock backends; ``a`` (the writer) runs ``handler``; both take ``options``."""
-    with Backend(MockDriver(handler, **options)) as a, Backend(MockDriver(**options)) as b:
-        src, dst = buffer(size, 1), buffer(size, 2)
-        a.register(manifest([src], "src"))
-        b.register(manifest([dst], "dst"))
-        assert b.manifest is not None
-        yield Pair(a, b, src, dst, a.connect(b.endpoint(), b.manifest))
+    """Two connected mock backends; ``a`` (the writer) runs ``handler``, or is ``sender``;
+    both take ``options``."""
+    with connected_pair(
+        lambda: Backend(sender or MockDriver(handler, **options)),
+        [buffer(size, 1)],
+        [buffer(size, 2)],
+        receiver=lambda: Backend(MockDriver(**options)),
+    ) as p:
+        yield Pair(p.a, p.b, p.srcs, p.dsts, p.peer, p.endpoint)

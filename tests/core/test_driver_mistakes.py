@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from mock_pairs import Pair, buffer, manifest
+from mock_pairs import Pair, buffer, manifest, mock_pair
 
 from xferkit import Backend, CapabilityError, PluginError, Status, TransferError
 from xferkit.driver import Descriptors, Driver, Posted
@@ -58,12 +58,8 @@ class _OddPoster(MockDriver):
 def _pair(answer: Any) -> Iterator[Pair]:
     driver = _OddPoster(notifications=False)
     driver.answer = answer
-    with Backend(driver) as a, Backend(MockDriver(notifications=False)) as b:
-        src, dst = buffer(4096, 1), buffer(4096, 2)
-        a.register(manifest([src], "src"))
-        b.register(manifest([dst], "dst"))
-        assert b.manifest is not None
-        yield Pair(a, b, src, dst, a.connect(b.endpoint(), b.manifest))
+    with mock_pair(sender=driver, size=4096, notifications=False) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("answer", ["done", True, 1, None, Status.DONE.value])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import xferkit as xk
 from xferkit.testing import msgpack_values, wire_bytes
+from xferkit.testing.pairs import Pair, connected_pair
 
 # What each driver needs to start here (Mooncake over TCP needs no RDMA device).
 DRIVERS: dict[str, dict[str, Any]] = {
@@ -33,31 +34,16 @@ DRIVERS: dict[str, dict[str, Any]] = {
 }
 
 
-class Pair(NamedTuple):
-    a: xk.Backend  # connects
-    b: xk.Backend  # whose endpoint is fuzzed
-    endpoint: bytes
-    manifest: xk.Manifest
-    buffers: tuple[np.ndarray, np.ndarray]
-
-
-def _registered(backend: xk.Backend, buf: np.ndarray) -> xk.Manifest:
-    m = xk.Manifest.build([xk.Region.from_array(buf, pool="raw", name="buf", layer=0)])
-    backend.register(m)
-    return m
-
-
 @pytest.fixture(scope="module", params=sorted(DRIVERS))
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """``a`` connects; ``b``'s endpoint is the one fuzzed."""
     name: str = request.param
     info = [b for b in xk.backends() if b.name == name]
     if not info or not info[0].available:
         pytest.skip(f"{name} is not usable here: {info[0].reason if info else 'not installed'}")
     src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
-    with xk.open_backend(name, **DRIVERS[name]) as a, xk.open_backend(name, **DRIVERS[name]) as b:
-        _registered(a, src)
-        manifest = _registered(b, dst)
-        yield Pair(a, b, b.endpoint(), manifest, (src, dst))
+    with connected_pair(lambda: xk.open_backend(name, **DRIVERS[name]), [src], [dst]) as p:
+        yield p
 
 
 def _plain(value: msgspec.Struct) -> object:
@@ -144,7 +130,7 @@ def test_any_envelope_field_gives_a_peer_or_an_xfer_error(pair: Pair, data: st.D
 
 def test_the_real_endpoint_still_works_after_the_fuzz(pair: Pair) -> None:
     """The refusals left nothing behind: the genuine endpoint connects and a write lands."""
-    src, dst = pair.buffers
+    src, dst = pair.src, pair.dst
     dst[:] = 0
     peer = pair.a.connect(pair.endpoint, pair.manifest)
     descs = xk.Descriptors(

@@ -24,6 +24,8 @@ from xferkit import (
     XferError,
 )
 from xferkit.staging import stage
+from xferkit.testing.conformance import held
+from xferkit.testing.pairs import connected_pair
 
 
 def test_attach_keeps_the_first_error_and_lists_the_later_ones() -> None:
@@ -81,18 +83,9 @@ DOMAIN_ERRORS = (
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[xk.Backend, xk.Backend, xk.Peer, xk.Plan]]:
     src, dst = np.zeros((4, 16), np.uint8), np.zeros((4, 16), np.uint8)
-    ms = xk.Manifest.build([xk.Region.from_array(src, pool="p", name="a", layer=0)])
-    md = xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="a", layer=0)])
-    a, b = xk.open_backend("loopback"), xk.open_backend("loopback")
-    try:
-        a.register(ms)
-        b.register(md)
-        yield a, b, a.connect(b.endpoint(), md), xk.plan(ms, md)
-    finally:
-        try:
-            a.close()
-        finally:
-            b.close()
+    opener = lambda: xk.open_backend("loopback")  # noqa: E731
+    with connected_pair(opener, [src], [dst], src_name="a", dst_name="a") as p:
+        yield p.a, p.b, p.peer, xk.plan(held(p.a), p.manifest)
 
 
 MISUSES: dict[str, Callable[[xk.Backend, xk.Backend, xk.Peer, xk.Plan], object]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from functools import partial
 
 import msgspec
 import numpy as np
@@ -13,35 +13,13 @@ from hypothesis import given, settings
 
 from xferkit import Manifest, ManifestError, Region, key_label
 from xferkit.testing import Regions, manifest_regions
+from xferkit.testing.regions import region as synthetic_region
 
 KEY = ("kv", "k", 3, 1)
 LABEL = key_label(KEY)
 
 
-def region(
-    name: str = "k",
-    layer: int = 0,
-    *,
-    pool: str = "kv",
-    part: int = 0,
-    addr: int = 0x1000,
-    slots: int = 4,
-    slot_shape: tuple[int, ...] = (2, 8),
-    itemsize: int = 2,
-    **kw: Any,
-) -> Region:
-    """A region with a synthetic address (manifests never dereference it)."""
-    return Region(
-        pool=pool,
-        name=name,
-        layer=layer,
-        part=part,
-        addr=addr,
-        nbytes=slots * math.prod(slot_shape) * itemsize,
-        slot_shape=slot_shape,
-        itemsize=itemsize,
-        **kw,
-    )
+region = partial(synthetic_region, addr=0x1000)  # one fixed address: overlaps are the point
 
 
 def raises_naming(label: str, *more: str):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import numpy as np
@@ -12,14 +14,12 @@ import pytest
 
 import xferkit as xk
 from xferkit.manifest import MAX_AXES, MAX_TP_SIZE
+from xferkit.testing.regions import region as synthetic_region
 
-
-def _region(**over: object) -> xk.Region:
-    fields: dict = dict(
-        pool="kv", name="k", layer=0, addr=0x1000, nbytes=128, slot_shape=(64,), itemsize=2
-    )
-    fields.update(over)
-    return xk.Region(**fields)
+# Loosely typed: these tests hand it wrong types on purpose.
+_region: Callable[..., xk.Region] = partial(
+    synthetic_region, addr=0x1000, nbytes=128, slot_shape=(64,)
+)
 
 
 def test_from_array_keeps_the_array_alive() -> None:

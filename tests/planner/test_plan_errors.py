@@ -4,46 +4,16 @@ writes; Plan.expand rejects bad input before producing anything; plans are reusa
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Any
+from functools import partial
 
 import numpy as np
 import pytest
 
 from xferkit import Descriptors, Manifest, PlanError, Region, coverage, key_label, plan
+from xferkit.testing.regions import region as synthetic_region
 
-_next_addr = [0x10000]
-
-
-def region(
-    name: str = "k",
-    layer: int = 0,
-    *,
-    pool: str = "kv",
-    part: int = 0,
-    slots: int = 8,
-    slot_shape: tuple[int, ...] = (4, 2, 8),
-    itemsize: int = 2,
-    tp_axis: int | None = 1,
-    **kw: Any,
-) -> Region:
-    """A region at a fresh synthetic address (planning never dereferences it)."""
-    nbytes = slots * math.prod(slot_shape) * itemsize
-    addr = _next_addr[0]
-    _next_addr[0] += max(nbytes, 1) + 0x100
-    return Region(
-        pool=pool,
-        name=name,
-        layer=layer,
-        part=part,
-        addr=addr,
-        nbytes=nbytes,
-        slot_shape=slot_shape,
-        itemsize=itemsize,
-        tp_axis=tp_axis,
-        **kw,
-    )
+region = partial(synthetic_region, slots=8, slot_shape=(4, 2, 8), tp_axis=1)
 
 
 def manifest(*regions: Region, rank: int = 0, size: int = 2) -> Manifest:

@@ -13,21 +13,13 @@ from xferkit import PAGE_AXIS, Manifest, PlanError, Region, XferError, plan
 from xferkit.planner import MAX_PIECES
 from xferkit.staging import stage
 from xferkit.testing import Reference, RegionSpec, handoff, staged_handoff
+from xferkit.testing.regions import region
 
 AXES = (PAGE_AXIS, "head", "dim")
 
 
 def _region(shape: tuple[int, ...], axes: tuple[str, ...] | None, addr: int, slots: int) -> Region:
-    return Region(
-        pool="kv",
-        name="k",
-        layer=0,
-        addr=addr,
-        nbytes=int(np.prod(shape)) * 2 * slots,
-        slot_shape=shape,
-        itemsize=2,
-        axes=axes,
-    )
+    return region(addr=addr, slots=slots, slot_shape=shape, axes=axes)
 
 
 def _pair(src: Region, dst: Region) -> tuple[Manifest, Manifest]:

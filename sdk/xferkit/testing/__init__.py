@@ -2,7 +2,9 @@
 
 ``handoff(ref, request, write=...)`` runs a whole request against the
 reference (plan, expand, check the descriptors, write, compare every byte);
-``check_descriptors`` is the descriptor checker it uses. The hypothesis
+``check_descriptors`` is the descriptor checker it uses; ``connected_pair``
+(two backends, one connected to the other, both closed on the way out) and
+``region`` (a region at a synthetic address) are the set-ups most tests need. The hypothesis
 strategies (``layouts``, ``slot_requests``, ...) are imported on first use, so
 the rest works without hypothesis installed.
 """
@@ -20,6 +22,7 @@ from .checks import (
     staged_handoff,
 )
 from .models import gdn_hybrid
+from .pairs import Pair, close_all, connected_pair
 from .reference import (
     Rank,
     Reference,
@@ -29,6 +32,7 @@ from .reference import (
     held_indices,
     shard,
 )
+from .regions import region
 
 _STRATEGIES = (
     "Layout",
@@ -36,6 +40,7 @@ _STRATEGIES = (
     "layouts",
     "manifest_regions",
     "msgpack_values",
+    "region",
     "region_specs",
     "slot_pairs",
     "slot_requests",
@@ -54,6 +59,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Layout",
+    "Pair",
     "Rank",
     "Reference",
     "RegionSpec",
@@ -63,6 +69,8 @@ __all__ = [
     "Writer",
     "byte_runs",
     "check_descriptors",
+    "close_all",
+    "connected_pair",
     "execute",
     "for_rank",
     "gdn_hybrid",
@@ -71,6 +79,7 @@ __all__ = [
     "layouts",
     "manifest_regions",
     "msgpack_values",
+    "region",
     "region_specs",
     "requested_bytes",
     "shard",

@@ -57,11 +57,17 @@ class Reregister(msgspec.Struct, tag=True):
     """Deregister, then register the same memory again: endpoints handed out before are stale."""
 
 
+class Fill(msgspec.Struct, tag=True):
+    """Set every byte of this rank's memory to ``value`` (a sentinel a later write shows on)."""
+
+    value: int
+
+
 class Quit(msgspec.Struct, tag=True):
     pass
 
 
-Request = Setup | Check | Write | Drain | Reregister | Quit
+Request = Setup | Check | Write | Drain | Reregister | Fill | Quit
 
 
 class Reply(msgspec.Struct):
@@ -82,14 +88,14 @@ def serve() -> None:
     decoder = msgspec.json.Decoder(Request)
     backend: Backend | None = None
     ref: Reference | None = None
-    index = 0
+    index, role = 0, "dst"
     for line in sys.stdin:
         req = decoder.decode(line)
         try:
             if isinstance(req, Quit):
                 break
             if isinstance(req, Setup):
-                ref, index = reference(req), req.index
+                ref, index, role = reference(req), req.index, req.role
                 rank = (ref.srcs if req.role == "src" else ref.dsts)[index]
                 backend = open_backend(req.backend, **req.options)
                 backend.register(rank.manifest)
@@ -112,6 +118,10 @@ def serve() -> None:
                 backend.deregister()
                 backend.register(manifest)
                 reply = Reply(True, endpoint=backend.endpoint(), manifest=manifest.encode())
+            elif isinstance(req, Fill):
+                for array in (ref.srcs if role == "src" else ref.dsts)[index].arrays.values():
+                    array[...] = req.value
+                reply = Reply(True)
             elif isinstance(req, Drain):
                 notes = backend.notifications(timeout=req.timeout)
                 reply = Reply(True, notes=[(n.peer, n.message) for n in notes])
@@ -139,7 +149,7 @@ class PeerProcess(Closing):
     def pid(self) -> int:
         return self._proc.pid
 
-    def ask(self, request: Setup | Check | Write | Drain | Reregister) -> Reply:
+    def ask(self, request: Setup | Check | Write | Drain | Reregister | Fill) -> Reply:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._proc.stdin.write(msgspec.json.encode(request).decode() + "\n")
         self._proc.stdin.flush()
