@@ -98,8 +98,6 @@ def _choose(
     if src_contig:
         costs["unpack"] = descriptor_bytes / joins["unpack"] + copy
     note = f"{a.note}; " if a.note else ""
-    if count == 1 and force is None and joins["pack"] == joins["unpack"] == 1:
-        return Route("direct", f"{note}one piece of {unit} bytes per page: nothing to gather"), p
     if force in PATHS:
         path: RoutePath = force if force in costs else "both"  # type: ignore[assignment]
         why = f"forced {force}" + ("" if force == path else f" (not possible: {path})")
