@@ -165,7 +165,8 @@ class Outgoing:
         rec = self.sends.get(msg.rid)
         dst = None if rec is None else rec.dst_of(down)
         if rec is None or dst is None or not self.stager.unpacked(rec, dst, msg):
-            log.info("%s: Unpacked for %r, not staging here: dropped", self.s.address, msg.rid)
+            say = log.debug if msg.rid in self.ledger.finished else log.info  # after DONE: usual
+            say("%s: Unpacked for %r, not staging: dropped", self.s.address, msg.rid)
             return
         self._check(rec)
 
