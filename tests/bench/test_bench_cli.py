@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -35,7 +36,7 @@ def bench_json(*args: str) -> dict[str, Any]:
 
 def _consistent(data: dict[str, Any], requests: int) -> None:
     """What every case must satisfy, whatever the model and driver."""
-    assert data["stages"][0] == "handshake" and "wire" in data["stages"]
+    assert data["stages"] == ["handshake", "waiting", "transfer"]
     for case in data["cases"]:
         records = case["records"]
         assert len(records) == requests + 1  # one warm-up
@@ -48,7 +49,11 @@ def _consistent(data: dict[str, Any], requests: int) -> None:
             assert r["routes"]["plan"] == {"bytes": r["bytes"], "descriptors": r["descriptors"]}
             assert all(s <= e for s, e in r["decode"] + r["prefill"])
             assert 0 < r["latency_s"] <= r["end"] - r["start"]
-            assert r["timeline"] == {}  # no per-stage split until the Session exports one
+            # the last decode rank's states, in order, within the request's span
+            spans = [r["timeline"][s] for s in data["stages"]]
+            assert all(a <= b for a, b in spans) and spans[0][0] >= 0
+            assert all(x[1] == pytest.approx(y[0]) for x, y in itertools.pairwise(spans))
+            assert spans[-1][1] <= r["end"] - r["start"]  # DONE, then its waiter saw it
         measured = [r for r in records if not r["warmup"]]
         span = max(r["end"] for r in measured) - min(r["start"] for r in measured)
         assert case["span_s"] == pytest.approx(span)

@@ -223,3 +223,27 @@ def test_a_burst_of_slow_commands_never_silences_the_heartbeats() -> None:
     finally:
         pre.close()
         dec.close()
+
+
+def test_a_handle_times_each_state_it_went_through() -> None:
+    """The per-request timeline an engine can export: when each state was reached."""
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    pre = Session(Backend(MockDriver()), ref.srcs[0].manifest)
+    dec = Session(Backend(MockDriver()), ref.dsts[0].manifest)
+    try:
+        before = time.monotonic()
+        recv = dec.expect("r", [pre.address], {"kv": [2]})
+        send = pre.offer("r")
+        send.write({"kv": [1]}, last=True)
+        assert recv.wait(10) is State.DONE and send.wait(10) is State.DONE
+        got = recv.times
+        assert list(got) == [State.HANDSHAKING, State.WAITING, State.TRANSFERRING, State.DONE]
+        assert before <= got[State.HANDSHAKING] <= got[State.WAITING]
+        assert got[State.WAITING] <= got[State.TRANSFERRING] <= got[State.DONE] <= time.monotonic()
+        assert next(iter(send.times)) is State.WAITING and State.DONE in send.times
+        gone = dec.expect("gone", [pre.address], {"kv": [3]})
+        gone.abort(10)
+        assert State.FAILED in gone.times and State.DONE not in gone.times
+    finally:
+        pre.close()
+        dec.close()

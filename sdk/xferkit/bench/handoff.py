@@ -361,7 +361,7 @@ class _Runner:
                     raise BenchError(FAILED, f"{r.name} exited (code {r.proc.exitcode})") from None
                 if msg[0] != "done":
                     continue
-                _, rid, start, end, error, verified, routes = msg
+                _, rid, start, end, error, verified, routes, times = msg
                 rid = str(rid)
                 record, dst, waiting = self.pending[rid]
                 if error:
@@ -370,6 +370,8 @@ class _Runner:
                     raise BenchError(CHECK, f"request {rid}: {r.name}: {verified}")
                 (record.decode if r.name in decode else record.prefill).append((start, end))
                 record.route(*routes)
+                if r.name in decode:
+                    record.times(times)
                 if r.name in decode and verified is True:
                     record.verified = record.verified is not False
                 waiting.discard(r.name)

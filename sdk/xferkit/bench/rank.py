@@ -94,7 +94,8 @@ class _Rank:
         try:
             handle = begin()
         except XferError as exc:
-            self.send(("done", rid, started, time.monotonic(), _text(exc), None, (0, 0, 0.0)))
+            ended, routes = time.monotonic(), (0, 0, 0.0)
+            self.send(("done", rid, started, ended, _text(exc), None, routes, {}))
             return
         t = threading.Thread(target=self._wait, args=(rid, handle, started, check), daemon=True)
         t.start()
@@ -119,7 +120,8 @@ class _Rank:
             self.checker.reset(self.rank.arrays, check)
         r = handle.routes
         routes = (r.staged, r.direct, r.staging_wait_s)
-        self.send(("done", rid, started, ended, error, verified, routes))
+        times = {s.name: t for s, t in handle.times.items()}
+        self.send(("done", rid, started, ended, error, verified, routes, times))
 
     def serve(self) -> None:
         s = self.session

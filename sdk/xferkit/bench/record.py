@@ -3,10 +3,9 @@
 A request's record holds each rank's own ``expect``/``offer`` -> DONE interval
 (monotonic seconds, one clock per host), the plan's bytes and descriptors, and
 how its chunks went (``handle.routes`` of every rank: chunks staged and direct,
-seconds waited for staging). ``timeline`` is where a per-stage split will plug
-in once the Session exports one: ``{stage: [start, end]}`` in seconds from the
-request's start, stages from ``STAGES``. Until then ``timeline`` is empty and
-the table shows no split columns.
+seconds waited for staging) and its ``timeline``: ``{stage: [start, end]}`` in
+seconds from the request's start, stages from ``STAGES``, read from the last
+decode rank's ``handle.times`` (the states it went through).
 """
 
 from __future__ import annotations
@@ -16,8 +15,12 @@ from typing import Any
 
 import numpy as np
 
-STAGES = ("handshake", "plan", "pack", "post", "wire", "notify", "unpack", "control")
-"""The stages a request's timeline will split its time into (the issue's order)."""
+STAGES = ("handshake", "waiting", "transfer")
+"""A request's timeline as its decode handle saw it: ``expect`` to its Requests sent
+(HANDSHAKING: pairs, plans, staging offered), to the first byte's completion (WAITING: the
+prefill's chunks and packs), to DONE (TRANSFERRING). A finer split (pack, post, wire,
+notify, unpack) needs the core to time each round."""
+_STATES = ("HANDSHAKING", "WAITING", "TRANSFERRING", "DONE")
 
 
 @dataclass
@@ -33,6 +36,20 @@ class Record:
     staged: int = 0  # chunks (per decode rank written) by route, over every prefill rank
     direct: int = 0
     staging_wait_s: float = 0.0  # the longest any rank's chunks waited for staging
+    _last_done: float = field(default=-1.0, repr=False)
+
+    def times(self, times: dict[str, float]) -> None:
+        """The timeline from a decode rank's ``handle.times`` (the last to finish wins)."""
+        done = times.get("DONE")
+        if done is None or done < self._last_done:
+            return
+        self._last_done = done
+        marks = [times.get(s) for s in _STATES]
+        self.timeline = {
+            stage: (a, b)
+            for stage, a, b in zip(STAGES, marks, marks[1:], strict=False)
+            if a is not None and b is not None
+        }
 
     def route(self, staged: int, direct: int, waited: float) -> None:
         """Add one rank's ``handle.routes``."""
@@ -54,6 +71,7 @@ class Record:
         return max(e for _, e in self.decode) - min(s for s, _ in self.decode)
 
     def to_json(self) -> dict[str, Any]:
+        t0 = self.start
         return {
             "id": self.id,
             "bytes": self.bytes,
@@ -71,7 +89,7 @@ class Record:
             "prefill": [list(x) for x in self.prefill],
             "verified": self.verified,
             "warmup": self.warmup,
-            "timeline": {k: list(v) for k, v in self.timeline.items()},
+            "timeline": {k: [a - t0, b - t0] for k, (a, b) in self.timeline.items()},
         }
 
 
@@ -95,4 +113,9 @@ def summary(records: list[Record]) -> dict[str, Any]:
         "staged_chunks": sum(r.staged for r in records),
         "direct_chunks": sum(r.direct for r in records),
         "staging_wait_p99_ms": float(np.percentile(waits, 99) * 1e3),
+        "split_p50_ms": {
+            stage: float(np.median([b - a for a, b in split]) * 1e3)
+            for stage in STAGES
+            if (split := [r.timeline[stage] for r in records if stage in r.timeline])
+        },
     }

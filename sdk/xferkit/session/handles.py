@@ -31,6 +31,7 @@ class _Handle:
         self.request_id = request_id
         self._session = session
         self._state = State.HANDSHAKING
+        self._times = {State.HANDSHAKING: time.monotonic()}
         self._error: RequestError | None = None
         self._failing: RequestError | None = None
         self._routes = Routes()
@@ -53,6 +54,12 @@ class _Handle:
         land (it drains); ``poll()`` says FAILED, and the slots are safe to reuse, only once
         no byte can land any more."""
         return self._failing or self._error
+
+    @property
+    def times(self) -> dict[State, float]:
+        """When the request reached each state it went through (``time.monotonic``): the
+        per-request timeline (handshake, waiting for the other side, transfer, the end)."""
+        return dict(self._times)
 
     @property
     def routes(self) -> Routes:
@@ -109,6 +116,7 @@ class _Handle:
         with self._cond:
             if not self.done and state > self._state:
                 self._state = state
+                self._times[state] = time.monotonic()
                 if state is State.DONE:  # waiters wait for the end only: wake them then
                     self._cond.notify_all()
 
@@ -124,6 +132,7 @@ class _Handle:
             if self.done:
                 return False
             self._error, self._state = error, State.FAILED
+            self._times[State.FAILED] = time.monotonic()
             self._cond.notify_all()
             return True
 
@@ -138,6 +147,7 @@ class Send(_Handle):
     def __init__(self, session: Owner, request_id: str) -> None:
         super().__init__(session, request_id)
         self._state = State.WAITING
+        self._times = {State.WAITING: self._times.pop(State.HANDSHAKING)}
         self._last = False
 
     def write(self, slots: Mapping[str, Any], last: bool = False) -> None:
