@@ -18,10 +18,11 @@ from .states import RequestError, Routes, State
 
 
 class Owner(Protocol):
-    """What a handle asks of its session: queue a command, check slots."""
+    """What a handle asks of its session: queue a command, check slots, report its end."""
 
     def _submit(self, command: tuple[Any, ...]) -> None: ...
     def _local_slots(self, slots: object, what: str) -> dict[str, Any]: ...
+    def _finished(self, handle: Any) -> None: ...
 
 
 class _Handle:
@@ -112,16 +113,19 @@ class _Handle:
 
     # -- the I/O thread's side -------------------------------------------------
 
-    def _move(self, state: State) -> None:
+    def _move(self, state: State) -> bool:
         with self._cond:
-            if not self.done and state > self._state:
-                self._state = state
-                self._times[state] = time.monotonic()
-                if state is State.DONE:  # waiters wait for the end only: wake them then
-                    self._cond.notify_all()
+            if self.done or state <= self._state:
+                return False
+            self._state = state
+            self._times[state] = time.monotonic()
+            if state is State.DONE:  # waiters wait for the end only: wake them then
+                self._cond.notify_all()
+            return True
 
     def _done(self) -> None:
-        self._move(State.DONE)
+        if self._move(State.DONE):
+            self._session._finished(self)
 
     def _failing_now(self, error: RequestError) -> None:
         if not self.done and self._failing is None:
@@ -134,7 +138,8 @@ class _Handle:
             self._error, self._state = error, State.FAILED
             self._times[State.FAILED] = time.monotonic()
             self._cond.notify_all()
-            return True
+        self._session._finished(self)
+        return True
 
 
 class Receive(_Handle):

@@ -15,7 +15,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -95,9 +95,13 @@ class Session(Closing):
         staging: str = "auto",
         staging_bytes: int = 64 << 20,
         staging_slice_bytes: int = 16 << 20,
+        on_finished: Callable[[Receive | Send], None] | None = None,
     ) -> None:
         if not isinstance(backend, Backend):
             raise XferError(f"Session needs a xferkit.Backend, not {backend!r}")
+        if on_finished is not None and not callable(on_finished):
+            raise XferError(f"on_finished must be callable (a handle -> None), not {on_finished!r}")
+        self._on_finished = on_finished
         if not isinstance(manifest, Manifest):
             raise XferError(f"Session needs a Manifest, not {manifest!r}")
         if keys is not None and not isinstance(keys, SessionKeys):
@@ -267,6 +271,15 @@ class Session(Closing):
             f"session {self.address} was closed",
             seconds(timeout, "timeout"),
         )
+
+    def _finished(self, handle: Receive | Send) -> None:
+        """A request ended: the engine's hook (``on_finished``) sees its handle, on the control
+        thread; a hook that raises is logged, never lets the Session down."""
+        if self._on_finished is not None:
+            try:
+                self._on_finished(handle)
+            except Exception:
+                log.exception("%s: on_finished(%r) raised", self.address, handle)
 
     def _submit(self, command: tuple[Any, ...]) -> None:
         self._shell.submit(command)

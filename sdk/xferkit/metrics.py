@@ -1,0 +1,90 @@
+"""Prometheus metrics of a Session's requests (the optional extra ``xferkit[metrics]``).
+
+``Metrics`` is the Session's ``on_finished`` hook: each request that ends is
+counted and its timeline observed, labelled by role (prefill or decode),
+driver and outcome, with the buckets vLLM's NIXL connector and NIXL's own
+telemetry use for transfer times, so dashboards built for those carry over::
+
+    metrics = xferkit.metrics.Metrics(driver="mooncake")
+    session = xferkit.Session(backend, manifest, on_finished=metrics.on_finished)
+    prometheus_client.start_http_server(9400)  # or the engine's own registry
+
+An engine that keeps its own metrics passes its own ``on_finished`` instead and
+reads the same ``handle.times`` and ``handle.routes``. The core imports this
+module (and ``prometheus_client``) only when asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import XferError
+from .session import Receive, Send, State
+
+try:
+    import prometheus_client as prom
+except ImportError as exc:  # the extra is not installed
+    raise XferError(
+        "xferkit.metrics needs prometheus_client: pip install 'xferkit[metrics]'"
+    ) from exc
+
+SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Request and transfer time buckets (seconds), as vLLM's NIXL connector's."""
+LABELS = ("role", "driver")
+
+
+class Metrics:
+    """Counters and histograms of finished requests, in ``registry`` (the default one if
+    None); ``on_finished`` is the Session hook."""
+
+    def __init__(self, driver: str, registry: Any = None) -> None:
+        if not isinstance(driver, str):
+            raise XferError(f"driver is the backend's name, not {driver!r}")
+        self.driver = driver
+        reg = prom.REGISTRY if registry is None else registry
+        self.requests = prom.Counter(
+            "xferkit_requests", "Requests that ended, by outcome",
+            [*LABELS, "outcome", "stage"], registry=reg,
+        )  # fmt: skip
+        self.request_seconds = prom.Histogram(
+            "xferkit_request_seconds", "expect/offer to DONE", LABELS,
+            buckets=SECONDS, registry=reg,
+        )  # fmt: skip
+        self.handshake_seconds = prom.Histogram(
+            "xferkit_handshake_seconds", "expect to its Requests sent (decode side)", LABELS,
+            buckets=SECONDS, registry=reg,
+        )  # fmt: skip
+        self.transfer_seconds = prom.Histogram(
+            "xferkit_transfer_seconds", "first write (prefill) or completion (decode) to DONE",
+            LABELS, buckets=SECONDS, registry=reg,
+        )  # fmt: skip
+        self.chunks = prom.Counter(
+            "xferkit_chunks", "Chunks written per decode rank, by route", [*LABELS, "route"],
+            registry=reg,
+        )  # fmt: skip
+        self.staging_wait_seconds = prom.Histogram(
+            "xferkit_staging_wait_seconds", "How long a request's chunks waited for staging",
+            LABELS, buckets=(0.0, *SECONDS), registry=reg,
+        )  # fmt: skip
+
+    def on_finished(self, handle: Receive | Send) -> None:
+        """Count ``handle``'s request and observe its timeline (called once per request)."""
+        role = "decode" if isinstance(handle, Receive) else "prefill"
+        labels = {"role": role, "driver": self.driver}
+        t = handle.times
+        error = handle.error
+        outcome = "failed" if error is not None else "done"
+        self.requests.labels(**labels, outcome=outcome, stage=error.stage if error else "").inc()
+        routes = handle.routes
+        self.staging_wait_seconds.labels(**labels).observe(routes.staging_wait_s)
+        for route, n in (("staged", routes.staged), ("direct", routes.direct)):
+            if n:
+                self.chunks.labels(**labels, route=route).inc(n)
+        if error is not None or State.DONE not in t:
+            return
+        start = min(t.values())
+        self.request_seconds.labels(**labels).observe(t[State.DONE] - start)
+        if State.HANDSHAKING in t and State.WAITING in t:
+            self.handshake_seconds.labels(**labels).observe(t[State.WAITING] - start)
+        if State.TRANSFERRING in t:
+            self.transfer_seconds.labels(**labels).observe(t[State.DONE] - t[State.TRANSFERRING])

@@ -1,0 +1,93 @@
+"""xferkit.metrics scraped from a live Session pair: what an engine's dashboard reads."""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client as prom
+import pytest
+
+from xferkit import Backend, XferError
+from xferkit.metrics import Metrics
+from xferkit.session import Session, State
+from xferkit.testing import Reference, gdn_hybrid
+from xferkit.testing.mock import MockDriver
+
+SLOTS = {"kv": 8, "state": 4}
+
+
+def _sample(registry: prom.CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_a_live_sessions_requests_are_counted_and_timed() -> None:
+    registry = prom.CollectorRegistry()
+    metrics = Metrics("mock", registry)
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    pre = Session(Backend(MockDriver()), ref.srcs[0].manifest, on_finished=metrics.on_finished)
+    dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, on_finished=metrics.on_finished)
+    try:
+        for i in range(3):
+            recv = dec.expect(f"r{i}", [pre.address], {"kv": [2 + i]})
+            pre.offer(f"r{i}").write({"kv": [1]}, last=True)
+            assert recv.wait(10) is State.DONE
+        dec.expect("gone", [pre.address], {"kv": [7]}).abort(10)
+        prefill, decode = (
+            {"role": "prefill", "driver": "mock"},
+            {"role": "decode", "driver": "mock"},
+        )
+        limit = time.monotonic() + 10  # the prefill's DONE may come a moment after the decode's
+        while time.monotonic() < limit:
+            if (
+                _sample(registry, "xferkit_requests_total", **prefill, outcome="done", stage="")
+                == 3
+            ):
+                break
+            time.sleep(0.05)
+        assert _sample(registry, "xferkit_requests_total", **decode, outcome="done", stage="") == 3
+        assert _sample(registry, "xferkit_requests_total", **prefill, outcome="done", stage="") == 3
+        failed = _sample(
+            registry, "xferkit_requests_total", **decode, outcome="failed", stage="abort"
+        )
+        assert failed == 1
+        assert _sample(registry, "xferkit_request_seconds_count", **decode) == 3
+        assert 0 < _sample(registry, "xferkit_request_seconds_sum", **decode) < 30
+        assert _sample(registry, "xferkit_transfer_seconds_count", **decode) == 3
+        assert _sample(registry, "xferkit_handshake_seconds_count", **decode) == 3
+        # the text an exporter serves names every family
+        text = prom.generate_latest(registry).decode()
+        for family in ("xferkit_requests_total", "xferkit_staging_wait_seconds_bucket"):
+            assert family in text
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_hook_that_raises_is_logged_and_the_session_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(handle: object) -> None:
+        raise RuntimeError("dashboard down")
+
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    pre = Session(Backend(MockDriver()), ref.srcs[0].manifest, on_finished=broken)
+    dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, on_finished=broken)
+    try:
+        for i in range(2):
+            recv = dec.expect(f"r{i}", [pre.address], {"kv": [2 + i]})
+            pre.offer(f"r{i}").write({"kv": [1]}, last=True)
+            assert recv.wait(10) is State.DONE
+        assert "dashboard down" in caplog.text
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_bad_arguments_name_themselves() -> None:
+    with pytest.raises(XferError, match="on_finished must be callable"):
+        ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+        with Backend(MockDriver()) as backend:
+            Session(backend, ref.srcs[0].manifest, on_finished=3)  # type: ignore[arg-type]
+    with pytest.raises(XferError, match="driver is the backend's name"):
+        Metrics(3)  # type: ignore[arg-type]
