@@ -120,6 +120,16 @@ def test_plot_writes_a_png_with_the_expected_series(tmp_path: Path) -> None:
     assert series["cdf"] == ["loopback tp 1:1 auto", "loopback tp 1:2 auto"]
 
 
+def test_pipeline_stages_and_curve_keys_hand_over_byte_checked() -> None:
+    """--pp 2:1: two prefill stages (each its own layers) into one decode stage; --keys: every
+    Session with CurveZMQ, the prefill ranks trusting the bench's key."""
+    data = bench_json("--pp", "2:1", "--tp", "1:2", "--keys", *SMALL)
+    _consistent(data, 3)
+    (case,) = data["cases"]
+    assert case["pp"] == [2, 1] and data["model"]["keys"] is True
+    assert all(len(r["prefill"]) == 2 for r in case["records"])  # one per stage
+
+
 def test_a_token_range_draws_each_request_length() -> None:
     args = ["--tokens", "16-512", "--requests", "12", "--concurrency", "4", "--chunks", "2"]
     data = bench_json("--tp", "1:2", *args)
