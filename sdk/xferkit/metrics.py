@@ -62,6 +62,9 @@ class Metrics:
             "xferkit_chunks", "Chunks written per decode rank, by route", [*LABELS, "route"],
             registry=reg,
         )  # fmt: skip
+        self.bytes = prom.Counter(
+            "xferkit_bytes", "Bytes written, by route", [*LABELS, "route"], registry=reg
+        )
         self.staging_wait_seconds = prom.Histogram(
             "xferkit_staging_wait_seconds", "How long a request's chunks waited for staging",
             LABELS, buckets=(0.0, *SECONDS), registry=reg,
@@ -77,9 +80,13 @@ class Metrics:
         self.requests.labels(**labels, outcome=outcome, stage=error.stage if error else "").inc()
         routes = handle.routes
         self.staging_wait_seconds.labels(**labels).observe(routes.staging_wait_s)
-        for route, n in (("staged", routes.staged), ("direct", routes.direct)):
+        for route, n, nbytes in (
+            ("staged", routes.staged, routes.staged_bytes),
+            ("direct", routes.direct, routes.direct_bytes),
+        ):
             if n:
                 self.chunks.labels(**labels, route=route).inc(n)
+                self.bytes.labels(**labels, route=route).inc(nbytes)
         if error is not None or State.DONE not in t:
             return
         start = min(t.values())

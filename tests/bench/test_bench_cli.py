@@ -105,6 +105,7 @@ def test_a_real_driver_hands_over_byte_checked(driver: str) -> None:
     assert always["direct_chunks"] == 0 and always["staged_chunks"] > 0
     for r in always["records"]:
         assert r["routes"]["staged_chunks"] > 0 and r["routes"]["staging_wait_s"] >= 0
+        assert r["routes"]["staged_bytes"] + r["routes"]["direct_bytes"] == r["bytes"]
 
 
 def test_plot_writes_a_png_with_the_expected_series(tmp_path: Path) -> None:

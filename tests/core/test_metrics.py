@@ -57,6 +57,11 @@ def test_a_live_sessions_requests_are_counted_and_timed() -> None:
         assert _sample(registry, "xferkit_handshake_seconds_count", **decode) == 3
         # the text an exporter serves names every family
         text = prom.generate_latest(registry).decode()
+        moved = [
+            _sample(registry, "xferkit_bytes_total", **prefill, route=r)
+            for r in ("staged", "direct")
+        ]
+        assert sum(moved) > 0
         for family in ("xferkit_requests_total", "xferkit_staging_wait_seconds_bucket"):
             assert family in text
     finally:

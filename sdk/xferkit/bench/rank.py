@@ -94,7 +94,7 @@ class _Rank:
         try:
             handle = begin()
         except XferError as exc:
-            ended, routes = time.monotonic(), (0, 0, 0.0)
+            ended, routes = time.monotonic(), (0, 0, 0.0, 0, 0)
             self.send(("done", rid, started, ended, _text(exc), None, routes, {}))
             return
         t = threading.Thread(target=self._wait, args=(rid, handle, started, check), daemon=True)
@@ -119,7 +119,7 @@ class _Rank:
                 verified = str(exc)
             self.checker.reset(self.rank.arrays, check)
         r = handle.routes
-        routes = (r.staged, r.direct, r.staging_wait_s)
+        routes = (r.staged, r.direct, r.staging_wait_s, r.staged_bytes, r.direct_bytes)
         times = {s.name: t for s, t in handle.times.items()}
         self.send(("done", rid, started, ended, error, verified, routes, times))
 

@@ -36,6 +36,8 @@ class Record:
     staged: int = 0  # chunks (per decode rank written) by route, over every prefill rank
     direct: int = 0
     staging_wait_s: float = 0.0  # the longest any rank's chunks waited for staging
+    staged_bytes: int = 0
+    direct_bytes: int = 0
     _last_done: float = field(default=-1.0, repr=False)
 
     def times(self, times: dict[str, float]) -> None:
@@ -51,10 +53,14 @@ class Record:
             if a is not None and b is not None
         }
 
-    def route(self, staged: int, direct: int, waited: float) -> None:
+    def route(
+        self, staged: int, direct: int, waited: float, staged_bytes: int, direct_bytes: int
+    ) -> None:
         """Add one rank's ``handle.routes``."""
         self.staged += staged
         self.direct += direct
+        self.staged_bytes += staged_bytes
+        self.direct_bytes += direct_bytes
         self.staging_wait_s = max(self.staging_wait_s, waited)
 
     @property
@@ -80,6 +86,8 @@ class Record:
                 "plan": {"bytes": self.bytes, "descriptors": self.descriptors},
                 "staged_chunks": self.staged,
                 "direct_chunks": self.direct,
+                "staged_bytes": self.staged_bytes,
+                "direct_bytes": self.direct_bytes,
                 "staging_wait_s": self.staging_wait_s,
             },
             "start": self.start,

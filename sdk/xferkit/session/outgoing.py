@@ -232,14 +232,13 @@ class Outgoing:
         if staged is not None:
             descs, chunk = staged
             dst.planned += chunk.out.rounds
-            rec.staged += 1
         else:
-            rec.direct += 1
             try:
                 descs = plan.expand(request)
             except PlanError as exc:
                 self.fail(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
                 return
+        rec.counted(descs, chunk)
         # The last chunk's writes announce the total; with none to post, an empty one does.
         if len(descs) or (last and not self.stager.unposted(dst)):
             dst.planned += 1

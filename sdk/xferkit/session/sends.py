@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..descriptors import Descriptors
 from ..errors import ProtocolError
 from . import wire
 from .core import MAX_EARLY, MAX_UNOFFERED, MAX_UNOFFERED_SLOTS, remember
@@ -135,10 +136,22 @@ class SendRec:
         self.gone: Down | None = None  # once failing: the decode rank told nothing
         self.staging_wait_s = 0.0  # its chunks' waits for a piece of staging, summed
         self.staged = self.direct = 0  # its chunks (per decode place) by route
+        self.staged_bytes = self.direct_bytes = 0
 
     @property
     def routes(self) -> Routes:
-        return Routes(self.staged, self.direct, self.staging_wait_s)
+        return Routes(
+            self.staged, self.direct, self.staging_wait_s, self.staged_bytes, self.direct_bytes
+        )
+
+    def counted(self, direct: Descriptors, chunk: Chunk | None) -> None:
+        """Count a chunk by its route: what it writes direct, and through staging."""
+        self.direct_bytes += direct.total_bytes
+        if chunk is None:
+            self.direct += 1
+            return
+        self.staged += 1
+        self.staged_bytes += sum(max(r.src_bytes, r.dst_bytes) for r in chunk.out.req.rounds)
 
     @property
     def pending(self) -> bool:
