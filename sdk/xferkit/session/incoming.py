@@ -124,6 +124,9 @@ class Incoming:
                 )
             if u.staged is not None:
                 src.offer = self.unpacker.offer(u.staged, rec.slots)
+        if not any(src.offer for src in rec.needed.values()):
+            self._request(rec)  # no staging to wait for (nor behind others that wait)
+            return
         rec.waiting_since = now
         self._waiting.append(rec)
         self._serve()

@@ -87,7 +87,9 @@ class Stager:
         if need:
             chunk.waiting_since = self._clock()
             self._waiting.append((rec, dst, chunk))
-            self._serve()
+            for r, d in self._serve():
+                if d is not dst:  # the caller pumps this one
+                    self.pump(r, d)
         return req.direct, chunk
 
     def _serve(self) -> list[tuple[SendRec, Dst]]:
