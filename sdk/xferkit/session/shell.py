@@ -171,6 +171,7 @@ class Shell:
                         self._wake_r.recv(4096)
                 self._until = time.monotonic() + BUDGET_S
                 self._drain_router(events)
+                self._until = time.monotonic() + BUDGET_S  # a flood there starves not these
                 self._drain_dealers(events)
                 if (
                     self._notify_fd is not None and events.pop(self._notify_fd, None) is not None
