@@ -42,6 +42,23 @@ class Metrics:
             raise XferError(f"driver is the backend's name, not {driver!r}")
         self.driver = driver
         reg = prom.REGISTRY if registry is None else registry
+        made = self._make()
+        done: list[Any] = []
+        try:
+            for collector in made:
+                reg.register(collector)
+                done.append(collector)
+        except ValueError as exc:  # prometheus_client: a family of that name is there already
+            for collector in done:  # refused: nothing of it stays registered
+                reg.unregister(collector)
+            raise XferError(
+                f"xferkit metrics are registered in {reg!r} already ({exc}): share one Metrics "
+                "between the Sessions of a process (its labels say the role), or pass registry="
+            ) from None
+
+    def _make(self) -> list[Any]:
+        """The collectors, not registered yet."""
+        reg = None
         self.requests = prom.Counter(
             "xferkit_requests", "Requests that ended, by outcome",
             [*LABELS, "outcome", "stage"], registry=reg,
@@ -69,6 +86,10 @@ class Metrics:
             "xferkit_staging_wait_seconds", "How long a request's chunks waited for staging",
             LABELS, buckets=(0.0, *SECONDS), registry=reg,
         )  # fmt: skip
+        return [
+            self.requests, self.request_seconds, self.handshake_seconds, self.transfer_seconds,
+            self.chunks, self.bytes, self.staging_wait_seconds,
+        ]  # fmt: skip
 
     def on_finished(self, handle: Receive | Send) -> None:
         """Count ``handle``'s request and observe its timeline (called once per request)."""

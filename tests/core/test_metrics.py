@@ -96,3 +96,17 @@ def test_bad_arguments_name_themselves() -> None:
             Session(backend, ref.srcs[0].manifest, on_finished=3)  # type: ignore[arg-type]
     with pytest.raises(XferError, match="driver is the backend's name"):
         Metrics(3)  # type: ignore[arg-type]
+
+
+def test_a_second_metrics_in_one_registry_is_refused_and_leaves_the_first_intact() -> None:
+    """prometheus_client raises ValueError on a duplicate family: an engine that made one
+    Metrics per Session got a raw ValueError."""
+    registry = prom.CollectorRegistry()
+    first = Metrics("mock", registry)
+    before = set(registry._names_to_collectors)
+    with pytest.raises(XferError, match=r"registered in .* already"):
+        Metrics("other", registry)
+    first.requests.labels(role="decode", driver="mock", outcome="done", stage="").inc()
+    assert _sample(registry, "xferkit_requests_total", role="decode", driver="mock",
+                   outcome="done", stage="") == 1  # fmt: skip
+    assert set(registry._names_to_collectors) == before

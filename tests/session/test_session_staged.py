@@ -136,7 +136,7 @@ def test_chunks_to_many_decode_ranks_all_stage_at_the_default_sizes() -> None:
         assert {h.wait(20) for h in recvs + sends} == {State.DONE}
         assert [(h.routes.staged, h.routes.direct) for h in sends] == [(6, 0)] * 4
         # every byte went through staging: the 12 slots of each decode rank's regions
-        slot = sum(r.itemsize * int(np.prod(r.slot_shape)) for r in r.ref.dsts[0].manifest.regions)
+        slot = sum(region.slot_nbytes for region in r.ref.dsts[0].manifest.regions)
         assert sum(h.routes.staged_bytes for h in sends) == 12 * slot * len(r.dec)
         assert sum(h.routes.direct_bytes for h in sends) == 0
         for i in range(len(r.dec)):

@@ -60,7 +60,8 @@ class _Handle:
     def times(self) -> dict[State, float]:
         """When the request reached each state it went through (``time.monotonic``): the
         per-request timeline (handshake, waiting for the other side, transfer, the end)."""
-        return dict(self._times)
+        with self._cond:
+            return dict(self._times)
 
     @property
     def routes(self) -> Routes:

@@ -12,7 +12,6 @@ and nowhere else.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -50,8 +49,7 @@ class Unpacker:
         # Bytes of one slot of each pool here: the most unpacking a slot of it needs.
         self._slot_bytes: dict[str, int] = {}
         for r in s.manifest.regions:
-            size = r.itemsize * math.prod(r.slot_shape)
-            self._slot_bytes[r.pool] = self._slot_bytes.get(r.pool, 0) + size
+            self._slot_bytes[r.pool] = self._slot_bytes.get(r.pool, 0) + r.slot_nbytes
 
     def offer(self, staged: StagedPlan, slots: Mapping[str, np.ndarray]) -> int:
         """Bytes of staging to offer a source for a request naming ``slots`` (0: none)."""
