@@ -14,6 +14,7 @@ from typing import NamedTuple
 import msgspec
 
 from ..manifest import PAGE_AXIS
+from ..testing.models import gdn_layer, kv_layer
 from ..testing.reference import RegionSpec
 
 KV_AXES = (PAGE_AXIS, "head", "dim")
@@ -31,42 +32,14 @@ class Preset(NamedTuple):
 
 
 def _kv(layer: int, page: int, heads: int, dim: int) -> list[RegionSpec]:
-    return [
-        RegionSpec(
-            pool="kv", name=n, layer=layer, shape=(page, heads, dim), tp_axis=1, axes=KV_AXES
-        )
-        for n in ("k", "v")
-    ]
-
-
-def _gdn(layer: int, groups: tuple[int, int, int], heads: int, dim: int) -> list[RegionSpec]:
-    """A gated-delta-net layer: conv state ``[kernel - 1, q | k | v]`` sharded in shard groups,
-    temporal state ``[heads, dim, dim]`` (fp32) sharded on heads."""
-    return [
-        RegionSpec(
-            pool="state",
-            name="conv",
-            layer=layer,
-            shape=(3, sum(groups)),
-            tp_axis=1,
-            tp_groups=groups,
-        ),
-        RegionSpec(
-            pool="state",
-            name="temporal",
-            layer=layer,
-            shape=(heads, dim, dim),
-            itemsize=4,
-            tp_axis=0,
-        ),
-    ]
+    return kv_layer(layer, page, heads, dim, axes=KV_AXES)
 
 
 def tiny(layers: int, page: int) -> list[RegionSpec]:
     """A miniature GDN hybrid: attention on every second layer, recurrent state on the rest."""
     specs: list[RegionSpec] = []
     for layer in range(layers):
-        specs += _kv(layer, page, 4, 32) if layer % 2 else _gdn(layer, (16, 16, 16), 4, 8)
+        specs += _kv(layer, page, 4, 32) if layer % 2 else gdn_layer(layer, (16, 16, 16), 4, 8)
     return specs
 
 
@@ -93,7 +66,9 @@ def qwen3next(layers: int, page: int) -> list[RegionSpec]:
     specs: list[RegionSpec] = []
     for layer in range(layers):
         attention = layer % 4 == 3
-        specs += _kv(layer, page, 2, 256) if attention else _gdn(layer, (2048, 2048, 4096), 32, 128)
+        specs += (
+            _kv(layer, page, 2, 256) if attention else gdn_layer(layer, (2048, 2048, 4096), 32, 128)
+        )
     return specs
 
 

@@ -27,30 +27,41 @@ def gdn_hybrid(
     specs: list[RegionSpec] = []
     for layer in range(layers):
         if layer % attention_every == attention_every - 1:
-            specs += [
-                RegionSpec(
-                    pool="kv", name=n, layer=layer, shape=(page, kv_heads, head_dim), tp_axis=1
-                )
-                for n in ("k", "v")
-            ]
-            continue
-        specs += [
-            RegionSpec(
-                pool="state",
-                name="conv",
-                layer=layer,
-                shape=(3, sum(conv_groups)),
-                tp_axis=1,
-                tp_groups=conv_groups,
-            ),
-            RegionSpec(
-                pool="state",
-                name="temporal",
-                layer=layer,
-                shape=(state_heads, state_dim, state_dim),
-                itemsize=4,
-                tp_axis=0,
-            ),
-            RegionSpec(pool="state", name="sconv", layer=layer, shape=(0, 0), itemsize=4),
-        ]
+            specs += kv_layer(layer, page, kv_heads, head_dim)
+        else:
+            specs += gdn_layer(layer, conv_groups, state_heads, state_dim)
+            specs.append(
+                RegionSpec(pool="state", name="sconv", layer=layer, shape=(0, 0), itemsize=4)
+            )
     return specs
+
+
+def kv_layer(
+    layer: int, page: int, heads: int, dim: int, axes: tuple[str, ...] | None = None
+) -> list[RegionSpec]:
+    """One attention layer: GQA pages ``[page, heads, dim]`` of k and v, sharded on heads."""
+    return [
+        RegionSpec(pool="kv", name=n, layer=layer, shape=(page, heads, dim), tp_axis=1, axes=axes)
+        for n in ("k", "v")
+    ]
+
+
+def gdn_layer(
+    layer: int, conv_groups: tuple[int, int, int], heads: int, dim: int
+) -> list[RegionSpec]:
+    """One gated-delta-net layer: conv state ``[kernel - 1, q | k | v]`` sharded in shard
+    groups, temporal state ``[heads, dim, dim]`` (fp32) sharded on heads."""
+    return [
+        RegionSpec(
+            pool="state",
+            name="conv",
+            layer=layer,
+            shape=(3, sum(conv_groups)),
+            tp_axis=1,
+            tp_groups=conv_groups,
+        ),
+        RegionSpec(
+            pool="state", name="temporal", layer=layer, shape=(heads, dim, dim), itemsize=4,
+            tp_axis=0,
+        ),
+    ]  # fmt: skip
