@@ -197,7 +197,6 @@ class _Inbound(threading.Thread):
                     continue
                 if self.read_all():  # end of connection: drop whatever is not applied
                     if self.driver.options.careless:  # ... unless written carelessly
-                        self.aborted.clear()
                         while self.frames:
                             self.handle(self.frames.popleft())
                     return
@@ -229,7 +228,8 @@ class _Inbound(threading.Thread):
         if f.kind == wire.HELLO:
             self.sender = f.body.decode()
             return
-        error = "aborted by the sender" if f.id in self.aborted else self.driver.apply(f)
+        revoked = f.id in self.aborted and not self.driver.options.careless
+        error = "aborted by the sender" if revoked else self.driver.apply(f)
         if error is None and f.notify is not None:
             self.driver.deliver(self.sender, f.notify)
         reply = wire.DONE if error is None else wire.FAILED
