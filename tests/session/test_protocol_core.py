@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 from core_harness import SLOTS, Net, endpoint
 from core_harness import settings as core_settings
 from hypothesis import HealthCheck, given, settings
@@ -113,6 +114,59 @@ def test_a_hello_naming_this_ranks_own_or_a_live_pairs_endpoint_is_refused() -> 
     net.finish_all()
     net.deliver()
     assert net.handles["dec", "r"].state is State.DONE
+
+
+def _starve(net: Net) -> None:
+    """The prefill's answers stop reaching the decode rank (a busy machine holds its Pongs) while
+    both run and the prefill hears the decode's Pings: the decode declares the pair lost."""
+    while "P" in net.dec.pairs.ups:
+        while net.to_pre:  # the Pings of the last step
+            ident, msg = net.to_pre.popleft()
+            net.apply("pre", net.pre.receive(("down", ident), msg, net.now))
+        net.to_dec.clear()
+        net.now += 0.05
+        net.apply("pre", net.pre.timer(net.now))
+        net.apply("dec", net.dec.timer(net.now))
+    net.to_pre.clear()  # the decode's Bye, on the old connection, is still queued
+
+
+def _next_hello(net: Net) -> wire.Hello:
+    (hello,) = [m for _, m in net.to_pre if isinstance(m, wire.Hello)]
+    net.to_pre.clear()
+    return hello
+
+
+def test_a_decode_rank_reconnecting_after_it_lost_the_pair_is_welcomed_again() -> None:
+    """Before: a decode rank that declared a starved prefill lost came back on a new connection
+    and was refused ("names the memory of decode rank 0") while the prefill still held the old
+    pair, so its next request failed at handshake (seen under load, 1 request of 400)."""
+    net = Net()
+    net.handshake()
+    _starve(net)
+    net.now += net.dec.s.reconnect_max_s + 1  # past the backoff
+    net.expect("r", {"kv": [1]})
+    net.inject(b"D2", _next_hello(net))  # a new DEALER: a new identity
+    (welcome,) = _welcomes(net, b"D2")
+    assert welcome.error == "", welcome.error
+    assert list(net.pre.pairs.downs) == [b"D2"]  # the old pair is retired, not kept beside it
+    assert [c.key for c in net.connects] == [b"D", b"D2"]
+
+
+def test_a_hello_copying_a_pairs_place_without_its_resume_digest_is_refused() -> None:
+    """What lets the same rank back in keeps another out: its address, incarnation and driver
+    address are no secret (Pings and the roster carry them), the resume digest is."""
+    net = Net()
+    net.handshake()
+    honest = net.pre.pairs.downs[b"D"]
+    for resume in (b"", b"\x00" * 16):
+        forged = wire.Hello(
+            **{**msgspec.structs.asdict(_hello(net, "D", "d-drv")), "resume": resume}
+        )
+        net.inject(b"F", forged)
+        (welcome, *_) = _welcomes(net, b"F")
+        assert "the memory of decode rank 0" in welcome.error, welcome.error
+        net.to_others.clear()
+    assert net.pre.pairs.downs[b"D"] is honest and list(net.pre.pairs.downs) == [b"D"]
 
 
 def test_a_welcome_naming_a_driver_address_a_live_pair_holds_is_refused() -> None:

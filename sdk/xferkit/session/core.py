@@ -7,8 +7,10 @@ Nothing here touches a socket, a thread, a clock or a driver: the parts take
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,6 +88,12 @@ class Settings:
     reconnect_max_s: float = 2.0
     drain_s: float = DRAIN_S
     rng: random.Random = field(default_factory=random.Random)
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
+
+    def resume(self, address: str) -> bytes:
+        """This rank's ``Hello.resume`` for the prefill at ``address`` (a different digest per
+        prefill, so one that learns it cannot pass as this rank to another)."""
+        return hashlib.blake2b(address.encode(), key=self.secret, digest_size=16).digest()
 
     def where(self, side: str) -> str:
         """This rank, as error texts name it."""

@@ -15,6 +15,7 @@ needs it after a bounded exponential backoff: never a permanent blacklist.
 
 from __future__ import annotations
 
+import hmac
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ class Down:
             hello.address, hello.incarnation, hello.tp_rank, hello.tp_size, hello.pp_rank,
             hello.pp_size,
         )  # fmt: skip
+        self.resume = hello.resume
         self.driver_name = ""
         self.manifest: Manifest | None = None  # until connected
         self.peer: Any = None
@@ -139,7 +141,10 @@ class Pairs:
         up = self.ups[address] = Up(address, self._serial, now)
         self.conns[up.conn] = up
         self.out.add(act.Open(up.conn))
-        hello = wire.Hello(**self.s.hello(), pp_rank=self.s.pp_rank, pp_size=self.s.pp_size)
+        s = self.s
+        hello = wire.Hello(
+            **s.hello(), pp_rank=s.pp_rank, pp_size=s.pp_size, resume=s.resume(address)
+        )
         self.out.send(up.conn, hello)
         return up
 
@@ -196,6 +201,21 @@ class Pairs:
         return None
 
     # -- prefill side ----------------------------------------------------------------
+
+    def resumed(self, msg: wire.Hello) -> Down | None:
+        """The live pair a Hello on a new connection resumes: the same decode rank (its resume
+        digest, address and incarnation) back after it declared the pair lost."""
+        try:
+            old = self.down_drivers.get(f"{msg.backend}:{endpoint_address(msg.endpoint)}")
+        except ProtocolError:
+            return None
+        if old is None or not old.resume or not hmac.compare_digest(old.resume, msg.resume):
+            return None
+        return (
+            old
+            if (old.place.address, old.place.incarnation) == (msg.address, msg.incarnation)
+            else None
+        )
 
     def hello(self, ident: bytes, msg: wire.Hello, now: float) -> Down | None:
         """A decode rank's Hello: planned and connecting (``Connect``), or refused at once

@@ -179,7 +179,7 @@ class Protocol:
 
     def _from_down(self, ident: bytes, msg: wire.Message, now: float) -> None:
         if isinstance(msg, wire.Hello):
-            old = self.pairs.downs.get(ident)
+            old = self.pairs.downs.get(ident) or self.pairs.resumed(msg)
             if old is not None:
                 self._lose_down(old, f"{old.where()} said Hello again: starting over")
             self.pairs.hello(ident, msg, now)

@@ -74,6 +74,10 @@ class Hello(_Introduction, frozen=True, tag="hello"):
 
     pp_rank: Rank = 0
     pp_size: Size = 1
+    resume: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    """A digest of the prefill's address keyed by a secret of this Session's: a Hello on a new
+    connection that carries the one a live pair's Hello carried is that decode rank coming back
+    (it declared the pair lost), and replaces the pair; anyone else naming its memory is refused."""
 
 
 class Welcome(_Introduction, frozen=True, tag="welcome"):
