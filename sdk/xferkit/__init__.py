@@ -25,7 +25,7 @@ from .errors import (
 from .manifest import PAGE_AXIS, Dropped, Manifest, Region, RegionKey, key_label
 from .planner import Coverage, Plan, coverage, plan
 from .plugins import BackendInfo, backends, open_backend
-from .session import Receive, RequestError, Routes, Send, Session, SessionKeys, State
+from .session import Receive, RequestError, Routes, Send, Session, SessionKeys, Span, State
 from .transfer import Transfer
 
 try:
@@ -61,6 +61,7 @@ __all__ = [
     "Send",
     "Session",
     "SessionKeys",
+    "Span",
     "State",
     "Status",
     "Transfer",

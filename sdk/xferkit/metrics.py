@@ -10,7 +10,7 @@ telemetry use for transfer times, so dashboards built for those carry over::
     prometheus_client.start_http_server(9400)  # or the engine's own registry
 
 An engine that keeps its own metrics passes its own ``on_finished`` instead and
-reads the same ``handle.times`` and ``handle.routes``. The core imports this
+reads the same ``handle.times``, ``handle.routes`` and ``handle.timeline``. The core imports this
 module (and ``prometheus_client``) only when asked.
 """
 
@@ -30,6 +30,8 @@ except ImportError as exc:  # the extra is not installed
 
 SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Request and transfer time buckets (seconds), as vLLM's NIXL connector's."""
+BYTES = tuple(float(1 << k) for k in range(12, 37, 2))  # 4 KiB .. 64 GiB
+COUNTS = tuple(float(4**k) for k in range(10))  # 1 .. 262,144 descriptors
 LABELS = ("role", "driver")
 
 
@@ -82,13 +84,27 @@ class Metrics:
         self.bytes = prom.Counter(
             "xferkit_bytes", "Bytes written, by route", [*LABELS, "route"], registry=reg
         )
+        self.stage_seconds = prom.Histogram(
+            "xferkit_stage_seconds",
+            "A request's work per stage on this rank (handle.timeline's busy: plan, pack, post, "
+            "wire, unpack)", [*LABELS, "stage"], buckets=SECONDS, registry=reg,
+        )  # fmt: skip
+        self.request_bytes = prom.Histogram(
+            "xferkit_request_bytes", "Bytes a request wrote (prefill side)", LABELS,
+            buckets=BYTES, registry=reg,
+        )  # fmt: skip
+        self.request_descriptors = prom.Histogram(
+            "xferkit_request_descriptors", "Wire descriptors a request posted (prefill side)",
+            LABELS, buckets=COUNTS, registry=reg,
+        )  # fmt: skip
         self.staging_wait_seconds = prom.Histogram(
             "xferkit_staging_wait_seconds", "How long a request's chunks waited for staging",
             LABELS, buckets=(0.0, *SECONDS), registry=reg,
         )  # fmt: skip
         return [
             self.requests, self.request_seconds, self.handshake_seconds, self.transfer_seconds,
-            self.chunks, self.bytes, self.staging_wait_seconds,
+            self.chunks, self.bytes, self.stage_seconds, self.request_bytes,
+            self.request_descriptors, self.staging_wait_seconds,
         ]  # fmt: skip
 
     def on_finished(self, handle: Receive | Send) -> None:
@@ -108,6 +124,12 @@ class Metrics:
             if n:
                 self.chunks.labels(**labels, route=route).inc(n)
                 self.bytes.labels(**labels, route=route).inc(nbytes)
+        for stage, span in handle.timeline.items():
+            if stage != "landed":  # a span of arrivals, no work
+                self.stage_seconds.labels(**labels, stage=stage).observe(span.busy)
+        if role == "prefill":
+            self.request_bytes.labels(**labels).observe(routes.staged_bytes + routes.direct_bytes)
+            self.request_descriptors.labels(**labels).observe(routes.descriptors)
         if error is not None or State.DONE not in t:
             return
         start = min(t.values())

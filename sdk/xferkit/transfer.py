@@ -84,6 +84,7 @@ class Transfer:
             self._waiting.append(None)  # the notification alone
         self._notify = notify
         self._posted: list[Posted] = []
+        self.post_s = 0.0  # time spent inside the driver's post calls, summed (telemetry)
         self._running: list[Posted] = []  # posted, not yet seen DONE
         self._released = 0  # posted[:released] were released
         self._phase = Phase.SENDING
@@ -168,6 +169,7 @@ class Transfer:
             pending.block(timeout)
 
     def _post_next(self, batch: Descriptors | None, notify: bytes | None) -> None:
+        began = time.monotonic()
         try:
             posted = self._post(batch, notify)
         except Exception as exc:  # the driver refused the post itself
@@ -179,6 +181,8 @@ class Transfer:
             else:  # an earlier batch failed first: the refusal is its consequence
                 self._fail(earlier.error, later=TransferError(refusal, subject=self.peer.name))
             return
+        finally:
+            self.post_s += time.monotonic() - began
         self._posted.append(posted)
         self._running.append(posted)
 

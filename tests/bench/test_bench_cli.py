@@ -36,7 +36,10 @@ def bench_json(*args: str) -> dict[str, Any]:
 
 def _consistent(data: dict[str, Any], requests: int) -> None:
     """What every case must satisfy, whatever the model and driver."""
-    assert data["stages"] == ["handshake", "waiting", "transfer"]
+    assert data["states"] == ["handshake", "waiting", "transfer"]
+    assert data["stages"] == [
+        "handshake", "plan", "pack", "post", "wire", "notify", "unpack", "control"
+    ]  # fmt: skip
     for case in data["cases"]:
         records = case["records"]
         assert len(records) == requests + 1  # one warm-up
@@ -50,10 +53,22 @@ def _consistent(data: dict[str, Any], requests: int) -> None:
             assert all(s <= e for s, e in r["decode"] + r["prefill"])
             assert 0 < r["latency_s"] <= r["end"] - r["start"]
             # the last decode rank's states, in order, within the request's span
-            spans = [r["timeline"][s] for s in data["stages"]]
+            spans = [r["states"][s] for s in data["states"]]
             assert all(a <= b for a, b in spans) and spans[0][0] >= 0
             assert all(x[1] == pytest.approx(y[0]) for x, y in itertools.pairwise(spans))
-            assert spans[-1][1] <= r["end"] - r["start"]  # DONE, then its waiter saw it
+            assert spans[-1][1] <= r["end"] - r["start"]  # DONE, then its reporter saw it
+            # every rank's stages: each inside the request's span on some rank (a prefill
+            # rank sees its last write complete after the decode rank's DONE), its work
+            # inside its span unless pieces ran at once (writes in flight together)
+            assert {"plan", "post", "wire", "landed"} <= set(r["timeline"]), r["timeline"]
+            last = max(e for _, e in r["decode"] + r["prefill"]) - r["start"]
+            for stage, (a, b, busy) in r["timeline"].items():
+                assert 0 <= a <= b <= last, (stage, a, b)
+                assert busy >= 0 and (stage in ("wire", "post") or busy <= b - a + 1e-6)
+            split = r["split"]
+            assert list(split) == data["stages"] and all(v >= 0 for v in split.values())
+            assert split["handshake"] == pytest.approx(spans[0][1] - spans[0][0])
+            assert split["control"] <= r["latency_s"] + 1e-9
         measured = [r for r in records if not r["warmup"]]
         span = max(r["end"] for r in measured) - min(r["start"] for r in measured)
         assert case["span_s"] == pytest.approx(span)

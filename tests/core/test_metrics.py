@@ -64,6 +64,13 @@ def test_a_live_sessions_requests_are_counted_and_timed() -> None:
         assert sum(moved) > 0
         for family in ("xferkit_requests_total", "xferkit_staging_wait_seconds_bucket"):
             assert family in text
+        # the timeline's stages, per role: the prefill's work, the decode's arrivals
+        for stage in ("plan", "post", "wire"):
+            assert _sample(registry, "xferkit_stage_seconds_count", **prefill, stage=stage) == 3
+        assert _sample(registry, "xferkit_stage_seconds_count", **decode, stage="landed") == 0
+        assert _sample(registry, "xferkit_request_bytes_count", **prefill) == 3
+        assert _sample(registry, "xferkit_request_bytes_sum", **prefill) == sum(moved)
+        assert _sample(registry, "xferkit_request_descriptors_sum", **prefill) >= 3
     finally:
         pre.close()
         dec.close()

@@ -56,6 +56,7 @@ class Ranks:
         for i, part in enumerate(parts):
             for s in sends:
                 s.write({"kv": part}, last=i == len(parts) - 1)
+        self.recvs, self.sends = recvs, sends
         return [h.wait(20) for h in recvs + sends]
 
     def staging_back(self) -> bool:
@@ -91,6 +92,33 @@ def test_the_cost_model_stages_nhd_heterogeneous_tp_and_bytes_are_exact(ranks: R
     }
     assert routes and routes <= {"pack", "unpack", "both"}, routes
     assert ranks.staging_back()  # every piece came back
+
+
+def test_each_ranks_timeline_places_its_stages_inside_the_request(ranks: Ranks) -> None:
+    """Where a staged request's time went, per rank: prefill ranks plan, pack, post and wire,
+    decode ranks land and unpack; every span lies inside the handle's own start -> DONE, and
+    the serial work (plan, pack, unpack: one thread each) inside its span."""
+    assert set(ranks.run("r", list(range(12)), list(range(12, 24)), chunks=3)) == {State.DONE}
+    paths = {
+        route.path
+        for p in ranks.pre
+        for down in p._protocol.pairs.downs.values()
+        if down.staged is not None
+        for route in down.staged.routes.values()
+    }
+    packs, unpacks = bool(paths & {"pack", "both"}), bool(paths & {"unpack", "both"})
+    for handles, stages in (
+        (ranks.sends, {"plan", "post", "wire"} | ({"pack"} if packs else set())),
+        (ranks.recvs, {"landed"} | ({"unpack"} if unpacks else set())),
+    ):
+        for h in handles:
+            assert set(h.timeline) == stages, h.timeline
+            start, done = min(h.times.values()), h.times[State.DONE]
+            for name, span in h.timeline.items():
+                assert start <= span.start <= span.end <= done, (name, span, start, done)
+                assert span.busy >= 0
+                if name in ("plan", "pack", "unpack"):
+                    assert 0 < span.busy <= span.seconds + 1e-9, (name, span)
 
 
 def test_more_requests_than_slices_all_complete_and_return_their_staging(ranks: Ranks) -> None:

@@ -229,8 +229,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .handoff import Case, Workload, run_case
     from .models import shaped
     from .raw import ceiling, open_checked
-    from .record import STAGES
-    from .report import bench_table, need, plot, write_json
+    from .record import STAGES, STATES
+    from .report import bench_table, need, plot, split_table, write_json
 
     out, err = _consoles(args)
     if args.plot:
@@ -295,6 +295,12 @@ def _bench(args: argparse.Namespace) -> int:
         "GB/s: bytes of all measured requests over their span (first expect or offer to the "
         "last DONE); ratio: GB/s over the driver's own 1-descriptor GB/s for a request's bytes"
     )
+    out.print(split_table(results, "where a request's time went (p50 ms per stage)"))
+    out.print(
+        "plan, pack, post: the busiest prefill rank's work; wire: first post to last write "
+        "done; notify: to the last notification; unpack: the busiest decode rank's; control: "
+        "what no stage covers (messages, queues, loops). Stages overlap as chunks pipeline."
+    )
     data = {
         "command": "bench",
         "model": {
@@ -305,6 +311,7 @@ def _bench(args: argparse.Namespace) -> int:
             "verify": not args.no_verify, "pp": list(args.pp),
         },
         "stages": list(STAGES),
+        "states": list(STATES),
         "cases": results,
         "meta": _meta(),
     }  # fmt: skip

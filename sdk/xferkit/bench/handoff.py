@@ -359,9 +359,11 @@ class _Runner:
                     msg = r.conn.recv()
                 except (EOFError, OSError):
                     raise BenchError(FAILED, f"{r.name} exited (code {r.proc.exitcode})") from None
+                if msg[0] == "error":  # the rank's reporter broke
+                    raise BenchError(FAILED, f"{r.name}: {msg[1]}", msg[2])
                 if msg[0] != "done":
                     continue
-                _, rid, start, end, error, verified, routes, times = msg
+                _, rid, start, end, error, verified, routes, times, spans = msg
                 rid = str(rid)
                 record, dst, waiting = self.pending[rid]
                 if error:
@@ -370,6 +372,7 @@ class _Runner:
                     raise BenchError(CHECK, f"request {rid}: {r.name}: {verified}")
                 (record.decode if r.name in decode else record.prefill).append((start, end))
                 record.route(*routes)
+                record.timeline(spans)
                 if r.name in decode:
                     record.times(times)
                 if r.name in decode and verified is True:

@@ -1,11 +1,13 @@
 """What the bench records per request and per case (the JSON of ``xferkit bench --json``).
 
 A request's record holds each rank's own ``expect``/``offer`` -> DONE interval
-(monotonic seconds, one clock per host), the plan's bytes and descriptors, and
-how its chunks went (``handle.routes`` of every rank: chunks staged and direct,
-seconds waited for staging) and its ``timeline``: ``{stage: [start, end]}`` in
-seconds from the request's start, stages from ``STAGES``, read from the last
-decode rank's ``handle.times`` (the states it went through).
+(monotonic seconds, one clock per host), the plan's bytes and descriptors, how
+its chunks went (``handle.routes`` of every rank: chunks staged and direct,
+seconds waited for staging), its ``states`` (``{state: [start, end]}`` from the
+last decode rank's ``handle.times``), its ``timeline`` (every rank's
+``handle.timeline`` merged: ``{stage: [first start, last end, the most busy
+rank's work]}``), both in seconds from the request's start, and its ``split``:
+where the decode side's wait went, stage by stage (``STAGES``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ from typing import Any
 
 import numpy as np
 
-STAGES = ("handshake", "waiting", "transfer")
-"""A request's timeline as its decode handle saw it: ``expect`` to its Requests sent
-(HANDSHAKING: pairs, plans, staging offered), to the first byte's completion (WAITING: the
-prefill's chunks and packs), to DONE (TRANSFERRING). A finer split (pack, post, wire,
-notify, unpack) needs the core to time each round."""
+STATES = ("handshake", "waiting", "transfer")
+"""The states a decode handle goes through: ``expect`` to its Requests sent (HANDSHAKING:
+pairs, plans, staging offered), to the first byte's completion (WAITING: the prefill's
+chunks and packs), to DONE (TRANSFERRING)."""
 _STATES = ("HANDSHAKING", "WAITING", "TRANSFERRING", "DONE")
+
+STAGES = ("handshake", "plan", "pack", "post", "wire", "notify", "unpack", "control")
+"""The split of a request's latency (seconds): ``handshake`` (the decode side's, to its
+Requests sent), ``plan``, ``pack`` and ``post`` (the work of the busiest prefill rank:
+cutting descriptors and rounds, gathering into staging, inside the driver's post), ``wire``
+(first post to last write completion, any prefill rank), ``notify`` (the last write's
+completion to the last notification's arrival on a decode rank), ``unpack`` (the busiest
+decode rank's scattering), and ``control``: the part of the latency no stage covers
+(messages, queues, the control loops). Stages overlap as chunks pipeline, so they add up
+to more than the latency where the pipeline works."""
 
 
 @dataclass
@@ -32,7 +43,8 @@ class Record:
     prefill: list[tuple[float, float]] = field(default_factory=list)  # per prefill rank
     verified: bool | None = None
     warmup: bool = False
-    timeline: dict[str, tuple[float, float]] = field(default_factory=dict)
+    states: dict[str, tuple[float, float]] = field(default_factory=dict)
+    spans: dict[str, list[float]] = field(default_factory=dict)  # stage -> [start, end, busy]
     staged: int = 0  # chunks (per decode rank written) by route, over every prefill rank
     direct: int = 0
     staging_wait_s: float = 0.0  # the longest any rank's chunks waited for staging
@@ -47,11 +59,34 @@ class Record:
             return
         self._last_done = done
         marks = [times.get(s) for s in _STATES]
-        self.timeline = {
+        self.states = {
             stage: (a, b)
-            for stage, a, b in zip(STAGES, marks, marks[1:], strict=False)
+            for stage, a, b in zip(STATES, marks, marks[1:], strict=False)
             if a is not None and b is not None
         }
+
+    def timeline(self, spans: dict[str, tuple[float, float, float]]) -> None:
+        """Merge one rank's ``handle.timeline``."""
+        for stage, (start, end, busy) in spans.items():
+            have = self.spans.get(stage)
+            if have is None:
+                self.spans[stage] = [start, end, busy]
+            else:
+                have[:] = [min(have[0], start), max(have[1], end), max(have[2], busy)]
+
+    def split(self) -> dict[str, float]:
+        """The latency's split by ``STAGES`` (seconds)."""
+        s, hs = self.spans, self.states.get("handshake")
+        out = {"handshake": hs[1] - hs[0] if hs else 0.0}
+        out.update({k: s[k][2] if k in s else 0.0 for k in ("plan", "pack", "post")})
+        wire, landed = s.get("wire"), s.get("landed")
+        out["wire"] = wire[1] - wire[0] if wire else 0.0
+        out["notify"] = max(landed[1] - wire[1], 0.0) if wire and landed else 0.0
+        out["unpack"] = s["unpack"][2] if "unpack" in s else 0.0
+        lo, hi = min(a for a, _ in self.decode), max(b for _, b in self.decode)
+        covered = [(a, b) for a, b, *_ in [*s.values(), *([hs] if hs else [])]]
+        out["control"] = max(hi - lo - _union(covered, lo, hi), 0.0)
+        return out
 
     def route(
         self, staged: int, direct: int, waited: float, staged_bytes: int, direct_bytes: int
@@ -97,8 +132,20 @@ class Record:
             "prefill": [list(x) for x in self.prefill],
             "verified": self.verified,
             "warmup": self.warmup,
-            "timeline": {k: [a - t0, b - t0] for k, (a, b) in self.timeline.items()},
+            "states": {k: [a - t0, b - t0] for k, (a, b) in self.states.items()},
+            "timeline": {k: [a - t0, b - t0, busy] for k, (a, b, busy) in self.spans.items()},
+            "split": self.split(),
         }
+
+
+def _union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """How much of [lo, hi] the spans cover together."""
+    total, reach = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
 
 
 def summary(records: list[Record]) -> dict[str, Any]:
@@ -108,6 +155,7 @@ def summary(records: list[Record]) -> dict[str, Any]:
     lat = np.array([r.latency_s for r in records])
     checked = [r.verified for r in records]
     waits = np.array([r.staging_wait_s for r in records])
+    splits = [r.split() for r in records]
     return {
         "requests": len(records),
         "bytes_per_request": int(np.median([r.bytes for r in records])),
@@ -122,8 +170,6 @@ def summary(records: list[Record]) -> dict[str, Any]:
         "direct_chunks": sum(r.direct for r in records),
         "staging_wait_p99_ms": float(np.percentile(waits, 99) * 1e3),
         "split_p50_ms": {
-            stage: float(np.median([b - a for a, b in split]) * 1e3)
-            for stage in STAGES
-            if (split := [r.timeline[stage] for r in records if stage in r.timeline])
+            stage: float(np.median([split[stage] for split in splits]) * 1e3) for stage in STAGES
         },
     }

@@ -8,6 +8,7 @@ from .handles import Receive, Send
 from .keys import SessionKeys, keygen
 from .session import Session, fingerprint
 from .states import STAGES, RequestError, Routes, State
+from .timeline import Span
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Send",
     "Session",
     "SessionKeys",
+    "Span",
     "State",
     "fingerprint",
     "keygen",

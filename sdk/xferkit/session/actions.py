@@ -15,6 +15,7 @@ registration with its group's roster server.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..descriptors import Descriptors
 from ..manifest import Manifest
 from . import wire
 from .states import RequestError, Routes, State
+from .timeline import Span
 
 Conn = tuple[Any, ...]
 """A connection: ``(kind, name, ...)``; see the module docstring (a pair's DEALER also
@@ -129,10 +131,12 @@ class Done:
 
 @dataclass(slots=True, frozen=True)
 class Routed:
-    """How ``handle``'s request went (``Routes``); comes just before its Done or Failed."""
+    """How ``handle``'s request went (``Routes``) and where its time went on this rank
+    (``timeline``: stage -> ``Span``); comes just before its Done or Failed."""
 
     handle: Any
     routes: Routes
+    timeline: Mapping[str, Span]
 
 
 @dataclass(slots=True, frozen=True)

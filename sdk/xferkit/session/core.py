@@ -23,6 +23,7 @@ from . import actions as act
 from . import wire
 from .rounds import Arena, Pending
 from .states import RequestError, Routes, State
+from .timeline import Timeline
 
 log = logging.getLogger("xferkit.session")
 
@@ -88,6 +89,7 @@ class Settings:
     reconnect_max_s: float = 2.0
     drain_s: float = DRAIN_S
     rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = lambda: 0.0  # times the core's own work (handle.timeline)
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
 
     def resume(self, address: str) -> bytes:
@@ -133,8 +135,8 @@ class Out:
     def move(self, handle: Any, state: State) -> None:
         self.actions.append(act.Move(handle, state))
 
-    def routed(self, handle: Any, routes: Routes) -> None:
-        self.actions.append(act.Routed(handle, routes))
+    def routed(self, handle: Any, routes: Routes, timeline: Timeline) -> None:
+        self.actions.append(act.Routed(handle, routes, timeline.spans()))
 
     def done(self, handle: Any, rid: str) -> None:
         self.actions.append(act.Done(handle))

@@ -8,9 +8,9 @@ waits here, as a hand-over would cost more than the post. Each action comes from
 the protocol core; each result goes back to it through ``report`` (the shell's
 event queue): ``("connected", ident, peer, generation, error)``,
 ``("write_ended", wid, error)`` and, for a poll, ``("writes_ended", [(wid,
-error), ...])``. A post still queued when this process was stopped for longer
-than its ``horizon`` is refused, not made (the worker sees the stop as a wait
-that overran).
+error, seconds inside the driver's post), ...])``. A post still queued when
+this process was stopped for longer than its ``horizon`` is refused, not made
+(the worker sees the stop as a wait that overran).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class DataPlane:
         now = time.monotonic()
         with self._cond:
             inflight = list(self._inflight.items())
-        ended: list[tuple[int, str]] = []
+        ended: list[tuple[int, str, float]] = []
         for wid, t in inflight:
             st = t.poll()
             if st is Status.PENDING:
@@ -217,6 +217,6 @@ class DataPlane:
             with self._cond:
                 del self._inflight[wid]
             self._cancelled.pop(wid, None)
-            ended.append((wid, "" if st is Status.DONE else str(t.error)))
+            ended.append((wid, "" if st is Status.DONE else str(t.error), t.post_s))
         if ended:  # one event for the poll: one wake-up, one pass of the core
             self.report(("writes_ended", ended))

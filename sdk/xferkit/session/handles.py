@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from ..arguments import seconds
 from ..errors import XferError
 from .states import RequestError, Routes, State
+from .timeline import Span
 
 
 class Owner(Protocol):
@@ -36,6 +37,7 @@ class _Handle:
         self._error: RequestError | None = None
         self._failing: RequestError | None = None
         self._routes = Routes()
+        self._timeline: Mapping[str, Span] = {}
         self._cond = threading.Condition()
 
     def __repr__(self) -> str:
@@ -67,6 +69,12 @@ class _Handle:
     def routes(self) -> Routes:
         """How the request went (chunks by route, waits for staging), once it ended."""
         return self._routes
+
+    @property
+    def timeline(self) -> Mapping[str, Span]:
+        """Where the request's time went on this rank, once it ended: stage -> ``Span``
+        (prefill: plan, pack, post, wire; decode: landed, unpack). See ``xferkit.Span``."""
+        return self._timeline
 
     @property
     def done(self) -> bool:

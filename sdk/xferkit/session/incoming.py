@@ -29,6 +29,7 @@ from . import wire
 from .core import Out, Settings, log, stage_text
 from .pairs import Pairs, Up
 from .states import RequestError, Routes, State
+from .timeline import Timeline
 from .unpacking import Source, Unpacker
 
 
@@ -55,6 +56,7 @@ class Recv:
         self.drain_until = 0.0
         self.waiting_since = 0.0  # when it began to wait for staging
         self.staging_wait_s = 0.0
+        self.timeline = Timeline()
 
 
 class Incoming:
@@ -190,7 +192,7 @@ class Incoming:
         if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
             self._release_slices(rec)
             del self.recvs[rec.rid]
-            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s))
+            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s), rec.timeline)
             self.out.done(rec.handle, rec.rid)
 
     def _release_slices(self, rec: Recv) -> None:
@@ -241,7 +243,7 @@ class Incoming:
         self._release_slices(rec)
         if self.recvs.get(rec.rid) is rec:
             del self.recvs[rec.rid]
-            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s))
+            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s), rec.timeline)
             self.out.failed(rec.handle, rec.error)
 
     # -- pairs coming and going ------------------------------------------------------
@@ -307,6 +309,7 @@ class Incoming:
                 self.s.address, tag.rid, up.address,
             )  # fmt: skip
             return
+        rec.timeline.add("landed", now, now)
         if tag.round is not None and not self._unpack(rec, up, src, tag.round, now):
             return
         src.seen += 1
@@ -317,7 +320,10 @@ class Incoming:
 
     def _unpack(self, rec: Recv, up: Up, src: Source, r: wire.Round, now: float) -> bool:
         """Unpack a staged round; False (the request failed) for one matching nothing offered."""
+        began = self.s.clock()
         problem, freed = self.unpacker.landed(rec.slots, up, src, r)
+        if freed:  # it landed in staging and was unpacked from there
+            rec.timeline.add("unpack", began, self.s.clock())
         if problem:
             detail = f"{up.where()} sent {problem}: nothing of it was unpacked"
             self.fail(rec, "transfer", detail, up.address, now)

@@ -39,7 +39,7 @@ class Outgoing:
         self.s, self.out = s, out
         self.sends: dict[str, SendRec] = {}
         self.failing: dict[str, SendRec] = {}  # failed, writes still ending
-        self.writes: dict[int, tuple[SendRec, Dst]] = {}
+        self.writes: dict[int, tuple[SendRec, Dst, float]] = {}  # wid -> (.., when posted)
         self._wid = 0
         self.ledger = Ledger()
         self.stager = Stager(s, self._post, self.fail, lambda: self.now)
@@ -227,6 +227,7 @@ class Outgoing:
         request, spans = mapped
         if not dst.needed:
             return
+        began = self.s.clock()
         staged = self.stager.chunk(rec, dst, request, spans)
         chunk = None
         if staged is not None:
@@ -238,6 +239,7 @@ class Outgoing:
             except PlanError as exc:
                 self.fail(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
                 return
+        rec.timeline.add("plan", began, self.s.clock())
         rec.counted(descs, chunk)
         # The last chunk's writes announce the total; with none to post, an empty one does.
         if len(descs) or (last and not self.stager.unposted(dst)):
@@ -258,9 +260,10 @@ class Outgoing:
         dst.seq += 1
         self._wid += 1
         wid = self._wid
-        self.writes[wid] = (rec, dst)
+        self.writes[wid] = (rec, dst, now)
         dst.pending[wid] = tag
         dst.down.writes += 1
+        rec.descriptors += len(descs)
         note = wire.encode(tag) if self.s.notifying else None
         left = max(rec.deadline - now, 0.001)
         horizon = max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
@@ -270,13 +273,15 @@ class Outgoing:
 
     now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
 
-    def write_ended(self, wid: int, error: str) -> Down | None:
+    def write_ended(self, wid: int, error: str, post_s: float = 0.0) -> Down | None:
         """Write ``wid`` left the driver (``error``: it failed); the down that may now be
         disconnected, if it was lost and this was its last write."""
         got = self.writes.pop(wid, None)
         if got is None:
             return None
-        rec, dst = got
+        rec, dst, posted = got
+        rec.timeline.add("post", posted, posted + post_s)
+        rec.timeline.add("wire", posted, self.now)
         tag = dst.pending.pop(wid)
         dst.down.writes -= 1
         lost = dst.down if dst.down.lost and dst.down.writes == 0 else None
@@ -313,7 +318,7 @@ class Outgoing:
         self.stager.release(rec)
         del self.sends[rec.rid]
         remember(self.ledger.finished, rec.rid, None)
-        self.out.routed(rec.handle, rec.routes)
+        self.out.routed(rec.handle, rec.routes, rec.timeline)
         self.out.done(rec.handle, rec.rid)
 
     def fail(
@@ -346,7 +351,7 @@ class Outgoing:
         self.failing.pop(rec.rid, None)
         self.stager.release(rec)  # every write of it ended: nothing reads the slices
         if rec.handle is not None:  # the engine learns first: a peer's answer may be read at once
-            self.out.routed(rec.handle, rec.routes)
+            self.out.routed(rec.handle, rec.routes, rec.timeline)
             self.out.failed(rec.handle, rec.error)
         else:  # not offered yet: offer() will report it
             self.ledger.failed_early(rec.rid, rec.error)
@@ -385,13 +390,8 @@ class Outgoing:
                 self.fail(rec, "timeout", why)
 
     def next_deadline(self) -> float:
-        return min(
-            (
-                r.lease_until if r.lease_until is not None else r.deadline
-                for r in self.sends.values()
-            ),
-            default=float("inf"),
-        )
+        ends = (r.deadline if r.lease_until is None else r.lease_until for r in self.sends.values())
+        return min(ends, default=float("inf"))
 
 
 def _rid(handle: object) -> str:

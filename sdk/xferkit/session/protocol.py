@@ -289,13 +289,13 @@ class Protocol:
         return self.out.take()
 
     def write_ended(self, wid: int, error: str, now: float) -> list[act.Action]:
-        return self.writes_ended([(wid, error)], now)
+        return self.writes_ended([(wid, error, 0.0)], now)
 
-    def writes_ended(self, ended: list[tuple[int, str]], now: float) -> list[act.Action]:
-        """Writes left the driver (``error``: that one failed)."""
+    def writes_ended(self, ended: list[tuple[int, str, float]], now: float) -> list[act.Action]:
+        """Writes left the driver (``error``: that one failed; then the time its post took)."""
         self._enter(now)
-        for wid, error in ended:
-            down = self.outgoing.write_ended(wid, error)
+        for wid, error, post_s in ended:
+            down = self.outgoing.write_ended(wid, error, post_s)
             if down is not None and down.peer is not None:
                 self.out.add(act.Disconnect(down.peer))
         return self.out.take()

@@ -143,7 +143,8 @@ class Halves:
 
 
 class Pending(Protocol):
-    """A copy started elsewhere (a ``concurrent.futures.Future`` in the shell)."""
+    """A copy started elsewhere (a ``concurrent.futures.Future`` in the shell); its result
+    may be when the copy began and ended, for the request's timeline."""
 
     def done(self) -> bool: ...
     def result(self) -> object: ...
@@ -179,6 +180,7 @@ class Outbound:
         self.complete = 0  # rounds whose writes completed
         # The round being packed: (index, destination half, wire copies, the pack's future).
         self.packing: tuple[int, int, Descriptors, Pending | None] | None = None
+        self.packed: list[tuple[float, float]] = []  # (began, ended) of each pack since read
 
     @property
     def rounds(self) -> int:
@@ -221,7 +223,9 @@ class Outbound:
         if future is not None:
             if not future.done():
                 return None
-            future.result()
+            span = future.result()
+            if isinstance(span, tuple):
+                self.packed.append(span)
         self.packing = None
         self.next += 1
         self.sent.add(k)

@@ -15,6 +15,7 @@ from .core import MAX_EARLY, MAX_UNOFFERED, MAX_UNOFFERED_SLOTS, remember
 from .pairs import Down
 from .rounds import Halves, Outbound
 from .states import RequestError, Routes
+from .timeline import Timeline
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -136,13 +137,15 @@ class SendRec:
         self.gone: Down | None = None  # once failing: the decode rank told nothing
         self.staging_wait_s = 0.0  # its chunks' waits for a piece of staging, summed
         self.staged = self.direct = 0  # its chunks (per decode place) by route
-        self.staged_bytes = self.direct_bytes = 0
+        self.staged_bytes = self.direct_bytes = self.descriptors = 0
+        self.timeline = Timeline()
 
     @property
     def routes(self) -> Routes:
         return Routes(
-            self.staged, self.direct, self.staging_wait_s, self.staged_bytes, self.direct_bytes
-        )
+            self.staged, self.direct, self.staging_wait_s, self.staged_bytes, self.direct_bytes,
+            self.descriptors,
+        )  # fmt: skip
 
     def counted(self, direct: Descriptors, chunk: Chunk | None) -> None:
         """Count a chunk by its route: what it writes direct, and through staging."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -188,7 +189,8 @@ class Session(Closing):
             staging=staging,
             arena=self._staging.arena(staging_slice_bytes),
             copier=copier,
-            runner=shell.runner,
+            runner=shell.packer.run,
+            clock=time.monotonic,
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             handshake_timeout_s=self.handshake_timeout_s,

@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -27,13 +26,13 @@ import zmq.auth.thread
 
 from ..backend import Backend
 from ..copier import Copier
-from ..descriptors import Descriptors
 from ..errors import ProtocolError, XferError
 from . import actions as act
 from . import sockets, wire
 from .core import DRAIN_S, log
 from .dataplane import DataPlane
 from .keys import SessionKeys
+from .packer import Packer
 from .protocol import Protocol
 
 POLL_S = 0.001
@@ -79,8 +78,7 @@ class Shell:
         self._socks: dict[act.Conn, zmq.Socket[Any]] = {}
         self._monitors: dict[zmq.Socket[Any], act.Conn] = {}
         self._dealers: dict[zmq.Socket[Any], act.Conn] = {}
-        self._copier = copier
-        self._packer: ThreadPoolExecutor | None = None
+        self.packer = Packer(copier, self.event)
         self._driver_work: list[act.Action] = []  # for the data plane, flushed once a pass
         self._notify_fd: int | None = None
         self._poll_notes = False
@@ -115,15 +113,6 @@ class Shell:
 
     event = submit  # the data plane's and the pack worker's results travel the same way
 
-    def runner(self, rid: str, descs: Descriptors) -> Future[None]:
-        """Start a pack copy on the pack worker; its end pumps ``rid``."""
-        if self._packer is None:
-            self._packer = ThreadPoolExecutor(1, thread_name_prefix="xferkit-pack")
-        copier = self._copier
-        future = self._packer.submit(copier.copy, descs.src, descs.dst, descs.nbytes)
-        future.add_done_callback(lambda _: self.submit(("pump", rid)))
-        return future
-
     def join(self, timeout: float) -> bool:
         """Wait for the control thread to end; False if it has not."""
         if self._thread is not None:
@@ -148,8 +137,7 @@ class Shell:
             self.ctx.term()
         for s in (self._wake_r, self._wake_w):
             s.close()
-        if self._packer is not None:
-            self._packer.shutdown(wait=True)
+        self.packer.stop()
 
     # -- the control thread ------------------------------------------------------------
 
@@ -324,7 +312,7 @@ class Shell:
             elif isinstance(a, act.Post | act.Cancel | act.Connect | act.Disconnect):
                 driver.append(a)
             elif isinstance(a, act.Routed):
-                a.handle._routes = a.routes
+                a.handle._routes, a.handle._timeline = a.routes, a.timeline
             elif isinstance(a, act.Done):
                 a.handle._done()
             elif isinstance(a, act.Failed):

@@ -121,11 +121,16 @@ class Stager:
         rank's halves); give back the slices of chunks whose writes all completed."""
         for chunk in list(dst.staged.values()):
             while rec.error is None and not (chunk.need and not chunk.slice):
+                began = self.s.clock()
                 try:
-                    ready = chunk.out.ready()
+                    ready = chunk.out.ready()  # expands the next round's copies
                 except Exception as exc:  # the copier failed: nothing of the round was sent
                     self._fail(rec, "transfer", f"packing a staged round: {exc}")
                     return
+                rec.timeline.add("plan", began, self.s.clock())
+                for span in chunk.out.packed:
+                    rec.timeline.add("pack", *span)
+                chunk.out.packed.clear()
                 if ready is None:
                     break
                 k, h, wire_copies = ready
