@@ -25,7 +25,17 @@ from .errors import (
 from .manifest import PAGE_AXIS, Dropped, Manifest, Region, RegionKey, key_label
 from .planner import Coverage, Plan, coverage, plan
 from .plugins import BackendInfo, backends, open_backend
-from .session import Receive, RequestError, Routes, Send, Session, SessionKeys, Span, State
+from .session import (
+    PairEvent,
+    Receive,
+    RequestError,
+    Routes,
+    Send,
+    Session,
+    SessionKeys,
+    Span,
+    State,
+)
 from .transfer import Transfer
 
 try:
@@ -47,6 +57,7 @@ __all__ = [
     "ManifestError",
     "Notification",
     "OptionError",
+    "PairEvent",
     "Peer",
     "Plan",
     "PlanError",

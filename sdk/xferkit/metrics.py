@@ -1,12 +1,15 @@
 """Prometheus metrics of a Session's requests (the optional extra ``xferkit[metrics]``).
 
-``Metrics`` is the Session's ``on_finished`` hook: each request that ends is
-counted and its timeline observed, labelled by role (prefill or decode),
+``Metrics`` holds the Session's two hooks: ``on_finished`` counts each request
+that ends and observes its timeline, labelled by role (prefill or decode),
 driver and outcome, with the buckets vLLM's NIXL connector and NIXL's own
-telemetry use for transfer times, so dashboards built for those carry over::
+telemetry use for transfer times, so dashboards built for those carry over;
+``on_pair`` counts handshakes and peers lost::
 
     metrics = xferkit.metrics.Metrics(driver="mooncake")
-    session = xferkit.Session(backend, manifest, on_finished=metrics.on_finished)
+    session = xferkit.Session(
+        backend, manifest, on_finished=metrics.on_finished, on_pair=metrics.on_pair
+    )
     prometheus_client.start_http_server(9400)  # or the engine's own registry
 
 An engine that keeps its own metrics passes its own ``on_finished`` instead and
@@ -19,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import XferError
-from .session import Receive, Send, State
+from .session import PairEvent, Receive, Send, State
 
 try:
     import prometheus_client as prom
@@ -97,6 +100,14 @@ class Metrics:
             "xferkit_request_descriptors", "Wire descriptors a request posted (prefill side)",
             LABELS, buckets=COUNTS, registry=reg,
         )  # fmt: skip
+        self.handshakes = prom.Counter(
+            "xferkit_handshakes", "Pair handshakes that ended, by outcome (ok, failed)",
+            [*LABELS, "outcome"], registry=reg,
+        )  # fmt: skip
+        self.peers_lost = prom.Counter(
+            "xferkit_peers_lost", "Working pairs that ended (the peer silent, restarted, closed)",
+            LABELS, registry=reg,
+        )  # fmt: skip
         self.staging_wait_seconds = prom.Histogram(
             "xferkit_staging_wait_seconds", "How long a request's chunks waited for staging",
             LABELS, buckets=(0.0, *SECONDS), registry=reg,
@@ -104,8 +115,18 @@ class Metrics:
         return [
             self.requests, self.request_seconds, self.handshake_seconds, self.transfer_seconds,
             self.chunks, self.bytes, self.stage_seconds, self.request_bytes,
-            self.request_descriptors, self.staging_wait_seconds,
+            self.request_descriptors, self.handshakes, self.peers_lost, self.staging_wait_seconds,
         ]  # fmt: skip
+
+    def on_pair(self, event: PairEvent) -> None:
+        """Count a pair's handshake or its loss (the Session's ``on_pair`` hook)."""
+        labels = {"role": event.role, "driver": self.driver}
+        if event.event == "lost":
+            self.peers_lost.labels(**labels).inc()
+        else:
+            self.handshakes.labels(
+                **labels, outcome="ok" if event.event == "up" else "failed"
+            ).inc()
 
     def on_finished(self, handle: Receive | Send) -> None:
         """Count ``handle``'s request and observe its timeline (called once per request)."""

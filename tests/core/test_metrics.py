@@ -76,6 +76,33 @@ def test_a_live_sessions_requests_are_counted_and_timed() -> None:
         dec.close()
 
 
+def test_handshakes_and_peers_lost_are_counted_per_role() -> None:
+    registry = prom.CollectorRegistry()
+    metrics = Metrics("mock", registry)
+    hooks = {"on_finished": metrics.on_finished, "on_pair": metrics.on_pair}
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    pre = Session(Backend(MockDriver()), ref.srcs[0].manifest, **hooks)  # type: ignore[arg-type]
+    dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, **hooks)  # type: ignore[arg-type]
+    decode = {"role": "decode", "driver": "mock"}
+    try:
+        recv = dec.expect("r", [pre.address], {"kv": [2]})
+        pre.offer("r").write({"kv": [1]}, last=True)
+        assert recv.wait(10) is State.DONE
+        for role in ("decode", "prefill"):
+            ok = {"role": role, "driver": "mock", "outcome": "ok"}
+            assert _sample(registry, "xferkit_handshakes_total", **ok) == 1
+        assert _sample(registry, "xferkit_peers_lost_total", **decode) == 0
+        pre.close()  # its Bye: the decode rank's pair is lost
+        limit = time.monotonic() + 10
+        while not _sample(registry, "xferkit_peers_lost_total", **decode):
+            assert time.monotonic() < limit, "the lost pair was not counted"
+            time.sleep(0.02)
+        assert _sample(registry, "xferkit_peers_lost_total", **decode) == 1
+    finally:
+        pre.close()
+        dec.close()
+
+
 def test_a_hook_that_raises_is_logged_and_the_session_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

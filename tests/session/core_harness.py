@@ -88,6 +88,7 @@ class Net:
         self.handles: dict[tuple[str, str], Handle] = {}  # (side, rid)
         self.finished: dict[str, list[str]] = {"pre": [], "dec": []}
         self.failed_with_writes: list[str] = []  # rids FAILED on decode while writes were live
+        self.paired: list[tuple[str, str, str]] = []  # (role, peer, event) as on_pair is told
         self.dec_conn: tuple = ("up", "P", 0)  # the decode core's open connection to P
 
     # -- carrying out actions --------------------------------------------------------
@@ -131,6 +132,8 @@ class Net:
                         self.failed_with_writes.append(h.request_id)
             elif isinstance(a, act.Finished):
                 self.finished[side].append(a.rid)
+            elif isinstance(a, act.Paired):
+                self.paired.append((a.event.role, a.event.peer, a.event.event))
 
     # -- engine commands -----------------------------------------------------------------
 

@@ -152,6 +152,19 @@ def test_a_decode_rank_reconnecting_after_it_lost_the_pair_is_welcomed_again() -
     assert [c.key for c in net.connects] == [b"D", b"D2"]
 
 
+def test_pairs_coming_up_failing_and_lost_are_told_once_each() -> None:
+    """What ``Session(on_pair=...)`` sees: each handshake's end on both sides, a refused
+    Hello, and a working pair lost, each once."""
+    net = Net()
+    net.handshake()
+    assert sorted(net.paired) == [("decode", "P", "up"), ("prefill", "D", "up")]
+    net.inject(b"X", _hello(net, "tcp://x", "p-drv"))  # refused: names the prefill's memory
+    assert net.paired[-1] == ("prefill", "tcp://x", "failed")
+    del net.paired[:]
+    _starve(net)
+    assert net.paired == [("decode", "P", "lost")]
+
+
 def test_a_hello_copying_a_pairs_place_without_its_resume_digest_is_refused() -> None:
     """What lets the same rank back in keeps another out: its address, incarnation and driver
     address are no secret (Pings and the roster carry them), the resume digest is."""

@@ -7,13 +7,14 @@ for the messages on the wire.
 from .handles import Receive, Send
 from .keys import SessionKeys, keygen
 from .session import Session, fingerprint
-from .states import STAGES, RequestError, Routes, State
+from .states import STAGES, PairEvent, RequestError, Routes, State
 from .timeline import Span
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
     "STAGES",
+    "PairEvent",
     "Receive",
     "RequestError",
     "Routes",

@@ -22,7 +22,7 @@ from typing import Any
 from ..descriptors import Descriptors
 from ..manifest import Manifest
 from . import wire
-from .states import RequestError, Routes, State
+from .states import PairEvent, RequestError, Routes, State
 from .timeline import Span
 
 Conn = tuple[Any, ...]
@@ -140,6 +140,13 @@ class Routed:
 
 
 @dataclass(slots=True, frozen=True)
+class Paired:
+    """A pair changed (``PairEvent``): for the engine's ``on_pair`` hook."""
+
+    event: PairEvent
+
+
+@dataclass(slots=True, frozen=True)
 class Finished:
     """``rid`` reached a terminal state here: ``Session.progress`` reports it once."""
 
@@ -159,5 +166,6 @@ Action = (
     | Failed
     | Done
     | Routed
+    | Paired
     | Finished
 )

@@ -28,6 +28,7 @@ from ..staging import FORCE, StagedPlan, stage
 from . import actions as act
 from . import wire
 from .core import MAX_PAIRS, Out, Settings, log
+from .states import PairEvent
 
 _RNG = random.Random()
 
@@ -148,12 +149,16 @@ class Pairs:
         self.out.send(up.conn, hello)
         return up
 
-    def drop_up(self, up: Up, now: float, linger_ms: int = 0, *, keep: bool = False) -> None:
+    def drop_up(
+        self, up: Up, now: float, why: str, linger_ms: int = 0, *, keep: bool = False
+    ) -> None:
         """Forget ``up`` and back off before the next try; ``linger_ms`` lets messages just
         queued to it still leave. With ``keep`` its connection stays open (``lost``) so that
         the answers to its aborts can still come: ``close`` it once they have."""
         if self.ups.get(up.address) is up:
             del self.ups[up.address]
+            event = "lost" if up.ready else "failed"
+            self.out.add(act.Paired(PairEvent("decode", up.address, event, why)))
         up.lost = True
         if not keep:
             self.close(up, linger_ms)
@@ -194,6 +199,7 @@ class Pairs:
             return ("handshake", f"{up.address} named the driver address of {who} ({driver})")
         up.welcome, up.driver_name = msg, driver
         self.by_driver[driver] = up
+        self.out.add(act.Paired(PairEvent("decode", up.address, "up")))
         self.backoff.pop(up.address, None)
         for queued in up.queued:
             self.out.send(up.conn, queued)
@@ -283,10 +289,12 @@ class Pairs:
             return down
         down.peer, down.generation, down.ready = peer, generation, True
         self.out.send(down.conn, self._welcome())
+        self.out.add(act.Paired(PairEvent("prefill", down.place.address, "up")))
         return down
 
     def _refuse(self, down: Down, stage: str, why: str) -> Down:
         log.warning("%s: %s", self.s.address, why)
+        self.out.add(act.Paired(PairEvent("prefill", down.place.address, "failed", why)))
         down.error = (stage, wire.clip(why))
         down.plan = down.staged = None
         if self.down_drivers.get(down.driver_name) is down:
@@ -307,9 +315,11 @@ class Pairs:
             slice_bytes=s.arena.slice_bytes,
         )
 
-    def drop_down(self, down: Down) -> None:
+    def drop_down(self, down: Down, why: str) -> None:
         if self.downs.get(down.ident) is down:
             del self.downs[down.ident]
+            if down.ready:
+                self.out.add(act.Paired(PairEvent("prefill", down.place.address, "lost", why)))
         if self.down_drivers.get(down.driver_name) is down:
             del self.down_drivers[down.driver_name]
 

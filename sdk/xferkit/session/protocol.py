@@ -239,7 +239,7 @@ class Protocol:
             stage, text = problem
             self.incoming.pair_failed(up, stage, text, bool(msg.error), now)
             # The claims just queued must still leave: closed at once, ZMQ drops them.
-            self.pairs.drop_up(up, now, linger_ms=LINGER_MS)
+            self.pairs.drop_up(up, now, text, linger_ms=LINGER_MS)
         elif up.welcome is None:
             log.warning(
                 "%s: %s from %s before its Welcome: dropped",
@@ -381,7 +381,7 @@ class Protocol:
         self.incoming.pair_lost(up, why, stage, gone, now)  # its Aborts leave before the Bye
         if up.ready and not gone:
             self.out.send(up.conn, wire.Bye(incarnation=self.s.incarnation, reason=why))
-        self.pairs.drop_up(up, now, linger_ms=0 if gone else LINGER_MS, keep=not gone)
+        self.pairs.drop_up(up, now, why, linger_ms=0 if gone else LINGER_MS, keep=not gone)
         self.roster.forget(up.address, now)
         self._reap(up)
 
@@ -393,6 +393,6 @@ class Protocol:
     def _lose_down(self, down: Down, why: str) -> None:
         """A decode rank is gone: fail its requests; disconnect once our writes to it ended."""
         log.warning("%s: %s", self.s.address, why)
-        self.pairs.drop_down(down)
+        self.pairs.drop_down(down, why)
         if self.outgoing.down_lost(down, why) and down.peer is not None:
             self.out.add(act.Disconnect(down.peer))

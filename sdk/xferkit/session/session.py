@@ -35,6 +35,7 @@ from .roster import GROUP
 from .rounds import Staging, copier_of
 from .shell import Shell
 from .sockets import check
+from .states import PairEvent
 
 __all__ = ["GROUP", "Session", "fingerprint"]
 
@@ -97,11 +98,13 @@ class Session(Closing):
         staging_bytes: int = 64 << 20,
         staging_slice_bytes: int = 16 << 20,
         on_finished: Callable[[Receive | Send], None] | None = None,
+        on_pair: Callable[[PairEvent], None] | None = None,
     ) -> None:
         if not isinstance(backend, Backend):
             raise XferError(f"Session needs a xferkit.Backend, not {backend!r}")
-        if on_finished is not None and not callable(on_finished):
-            raise XferError(f"on_finished must be callable (a handle -> None), not {on_finished!r}")
+        for name, hook in (("on_finished", on_finished), ("on_pair", on_pair)):
+            if hook is not None and not callable(hook):
+                raise XferError(f"{name} must be callable (one argument -> None), not {hook!r}")
         self._on_finished = on_finished
         if not isinstance(manifest, Manifest):
             raise XferError(f"Session needs a Manifest, not {manifest!r}")
@@ -165,7 +168,8 @@ class Session(Closing):
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.keys = keys
         reconnect = (self.reconnect_min_s, self.reconnect_max_s)
-        shell = self._shell = Shell(backend, bind, keys, reconnect, self._copier)
+        # the engine's hook itself: a bound method of this Session would keep it alive
+        shell = self._shell = Shell(backend, bind, keys, reconnect, self._copier, on_pair)
         where = shell.where
         if group is not None and (problem := check(group.removeprefix(GROUP), keys)) is not None:
             shell.teardown()
@@ -277,11 +281,7 @@ class Session(Closing):
     def _finished(self, handle: Receive | Send) -> None:
         """A request ended: the engine's hook (``on_finished``) sees its handle, on the control
         thread; a hook that raises is logged, never lets the Session down."""
-        if self._on_finished is not None:
-            try:
-                self._on_finished(handle)
-            except Exception:
-                log.exception("%s: on_finished(%r) raised", self.address, handle)
+        _call(self._on_finished, handle, self.address)
 
     def _submit(self, command: tuple[Any, ...]) -> None:
         self._shell.submit(command)
@@ -352,3 +352,12 @@ class Session(Closing):
                 raise XferError(f"{what}: pool {pool!r}: a slot is named twice")
             out[pool] = arr
         return out
+
+
+def _call(hook: Callable[[Any], None] | None, arg: object, where: str) -> None:
+    """Run an engine's hook; one that raises is logged, never lets the Session down."""
+    if hook is not None:
+        try:
+            hook(arg)
+        except Exception:
+            log.exception("%s: the hook %r raised on %r", where, hook, arg)

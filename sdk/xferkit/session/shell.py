@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -34,6 +35,7 @@ from .dataplane import DataPlane
 from .keys import SessionKeys
 from .packer import Packer
 from .protocol import Protocol
+from .states import PairEvent
 
 POLL_S = 0.001
 """How often notifications are polled for a driver without a descriptor to sleep on."""
@@ -54,8 +56,10 @@ class Shell:
         keys: SessionKeys | None,
         reconnect: tuple[float, float],
         copier: Copier,
+        on_pair: Callable[[PairEvent], None] | None,
     ) -> None:
         self.backend, self.keys, self.reconnect = backend, keys, reconnect
+        self.on_pair = on_pair
         self.ctx = zmq.Context()
         try:
             self.router, self._auth = sockets.router(self.ctx, bind, keys)
@@ -322,6 +326,11 @@ class Shell:
             elif isinstance(a, act.Finished):
                 with self.lock:
                     self.progress.append(a.rid)
+            elif isinstance(a, act.Paired) and self.on_pair is not None:
+                try:
+                    self.on_pair(a.event)
+                except Exception:  # the engine's hook: logged, never lets the Session down
+                    log.exception("%s: on_pair(%r) raised", self.where, a.event)
             elif isinstance(a, act.Open):
                 self._open(a.conn)
             elif isinstance(a, act.Close):

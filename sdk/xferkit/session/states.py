@@ -41,6 +41,20 @@ class Routes:
     descriptors: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PairEvent:
+    """A pair with a peer changed, as ``Session(on_pair=...)`` is told: ``event`` is ``"up"``
+    (its handshake succeeded), ``"failed"`` (it did not: refused, unreachable, timed out) or
+    ``"lost"`` (a working pair ended: the peer went silent, restarted or closed); ``role`` is
+    this rank's side ("prefill" or "decode"), ``peer`` the peer's session address, ``why``
+    the reason (empty for "up")."""
+
+    role: str
+    peer: str
+    event: str
+    why: str = ""
+
+
 class RequestError(XferError):
     """Why a request failed: the root cause, the same text on both sides of the request.
 
