@@ -123,7 +123,7 @@ class _Rank:
         return not self._pending
 
     def _done(self, handle: Receive | Send) -> None:
-        ended = time.monotonic()
+        ended = max(handle.times.values())  # its DONE or FAILED, not when the reporter got to it
         rid = handle.request_id
         started, check = self._pending[rid]
         error = ""
