@@ -19,10 +19,11 @@ module (and ``prometheus_client``) only when asked.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .errors import XferError
-from .session import PairEvent, Receive, Send, State
+from .session import PairEvent, Receive, Send, Session, State
 
 try:
     import prometheus_client as prom
@@ -87,6 +88,10 @@ class Metrics:
         self.bytes = prom.Counter(
             "xferkit_bytes", "Bytes written, by route", [*LABELS, "route"], registry=reg
         )
+        self.descriptors = prom.Counter(
+            "xferkit_descriptors", "Wire descriptors posted, by route", [*LABELS, "route"],
+            registry=reg,
+        )  # fmt: skip
         self.stage_seconds = prom.Histogram(
             "xferkit_stage_seconds",
             "A request's work per stage on this rank (handle.timeline's busy: plan, pack, post, "
@@ -101,12 +106,20 @@ class Metrics:
             LABELS, buckets=COUNTS, registry=reg,
         )  # fmt: skip
         self.handshakes = prom.Counter(
-            "xferkit_handshakes", "Pair handshakes that ended, by outcome (ok, failed)",
-            [*LABELS, "outcome"], registry=reg,
+            "xferkit_handshakes", "Pair handshakes that ended, by peer and outcome (ok, failed)",
+            [*LABELS, "peer", "outcome"], registry=reg,
         )  # fmt: skip
         self.peers_lost = prom.Counter(
             "xferkit_peers_lost", "Working pairs that ended (the peer silent, restarted, closed)",
-            LABELS, registry=reg,
+            [*LABELS, "peer"], registry=reg,
+        )  # fmt: skip
+        self.staging_in_use = prom.Gauge(
+            "xferkit_staging_in_use_bytes", "Staging its requests hold now, per Session",
+            ["driver", "session"], registry=reg,
+        )  # fmt: skip
+        self.staging_size = prom.Gauge(
+            "xferkit_staging_bytes", "Staging a Session registered", ["driver", "session"],
+            registry=reg,
         )  # fmt: skip
         self.staging_wait_seconds = prom.Histogram(
             "xferkit_staging_wait_seconds", "How long a request's chunks waited for staging",
@@ -114,13 +127,29 @@ class Metrics:
         )  # fmt: skip
         return [
             self.requests, self.request_seconds, self.handshake_seconds, self.transfer_seconds,
-            self.chunks, self.bytes, self.stage_seconds, self.request_bytes,
-            self.request_descriptors, self.handshakes, self.peers_lost, self.staging_wait_seconds,
+            self.chunks, self.bytes, self.descriptors, self.stage_seconds, self.request_bytes,
+            self.request_descriptors, self.handshakes, self.peers_lost, self.staging_in_use,
+            self.staging_size, self.staging_wait_seconds,
         ]  # fmt: skip
+
+    def watch(self, session: Session) -> None:
+        """Export ``session``'s staging in use (``xferkit_staging_in_use_bytes{session}``) and
+        its size, read at each scrape; the Session is held weakly (a closed or dropped one
+        reads 0)."""
+        if not isinstance(session, Session):
+            raise XferError(f"watch() takes a Session, not {session!r}")
+        ref, labels = weakref.ref(session), {"driver": self.driver, "session": session.address}
+
+        def in_use() -> float:
+            s = ref()
+            return 0.0 if s is None else float(s.staging_in_use)
+
+        self.staging_in_use.labels(**labels).set_function(in_use)
+        self.staging_size.labels(**labels).set(session.staging_size)
 
     def on_pair(self, event: PairEvent) -> None:
         """Count a pair's handshake or its loss (the Session's ``on_pair`` hook)."""
-        labels = {"role": event.role, "driver": self.driver}
+        labels = {"role": event.role, "driver": self.driver, "peer": event.peer}
         if event.event == "lost":
             self.peers_lost.labels(**labels).inc()
         else:
@@ -138,19 +167,21 @@ class Metrics:
         self.requests.labels(**labels, outcome=outcome, stage=error.stage if error else "").inc()
         routes = handle.routes
         self.staging_wait_seconds.labels(**labels).observe(routes.staging_wait_s)
-        for route, n, nbytes in (
-            ("staged", routes.staged, routes.staged_bytes),
-            ("direct", routes.direct, routes.direct_bytes),
+        for route, n, nbytes, descriptors in (
+            ("staged", routes.staged, routes.staged_bytes, routes.staged_descriptors),
+            ("direct", routes.direct, routes.direct_bytes, routes.direct_descriptors),
         ):
             if n:
                 self.chunks.labels(**labels, route=route).inc(n)
                 self.bytes.labels(**labels, route=route).inc(nbytes)
+                self.descriptors.labels(**labels, route=route).inc(descriptors)
         for stage, span in handle.timeline.items():
             if stage != "landed":  # a span of arrivals, no work
                 self.stage_seconds.labels(**labels, stage=stage).observe(span.busy)
         if role == "prefill":
             self.request_bytes.labels(**labels).observe(routes.staged_bytes + routes.direct_bytes)
-            self.request_descriptors.labels(**labels).observe(routes.descriptors)
+            posted = routes.staged_descriptors + routes.direct_descriptors
+            self.request_descriptors.labels(**labels).observe(posted)
         if error is not None or State.DONE not in t:
             return
         start = min(t.values())

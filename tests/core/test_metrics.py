@@ -88,16 +88,17 @@ def test_handshakes_and_peers_lost_are_counted_per_role() -> None:
         recv = dec.expect("r", [pre.address], {"kv": [2]})
         pre.offer("r").write({"kv": [1]}, last=True)
         assert recv.wait(10) is State.DONE
-        for role in ("decode", "prefill"):
-            ok = {"role": role, "driver": "mock", "outcome": "ok"}
+        for role, peer in (("decode", pre.address), ("prefill", dec.address)):
+            ok = {"role": role, "driver": "mock", "peer": peer, "outcome": "ok"}
             assert _sample(registry, "xferkit_handshakes_total", **ok) == 1
-        assert _sample(registry, "xferkit_peers_lost_total", **decode) == 0
+        lost = {**decode, "peer": pre.address}
+        assert _sample(registry, "xferkit_peers_lost_total", **lost) == 0
         pre.close()  # its Bye: the decode rank's pair is lost
         limit = time.monotonic() + 10
-        while not _sample(registry, "xferkit_peers_lost_total", **decode):
+        while not _sample(registry, "xferkit_peers_lost_total", **lost):
             assert time.monotonic() < limit, "the lost pair was not counted"
             time.sleep(0.02)
-        assert _sample(registry, "xferkit_peers_lost_total", **decode) == 1
+        assert _sample(registry, "xferkit_peers_lost_total", **lost) == 1
     finally:
         pre.close()
         dec.close()
@@ -144,3 +145,43 @@ def test_a_second_metrics_in_one_registry_is_refused_and_leaves_the_first_intact
     assert _sample(registry, "xferkit_requests_total", role="decode", driver="mock",
                    outcome="done", stage="") == 1  # fmt: skip
     assert set(registry._names_to_collectors) == before
+
+
+def test_staging_in_use_is_exported_while_a_request_holds_it() -> None:
+    """``Metrics.watch``: a gauge read at each scrape, non-zero while a staged write is stuck
+    in the driver, zero once the request ended and gave its staging back."""
+    import xferkit as xk
+    from xferkit.testing import RegionSpec
+    from xferkit_loopback import Faults
+
+    specs = [  # NHD pages, heads split 1 -> 2: every chunk packs on the prefill rank
+        RegionSpec(pool="kv", name=n, layer=0, shape=(16, 8, 32), tp_axis=1) for n in "kv"
+    ]
+    slots = {"kv": 16}
+    ref = Reference(specs, src_tp=1, dst_tp=2, src_slots=slots, dst_slots=slots)
+    registry = prom.CollectorRegistry()
+    metrics = Metrics("loopback", registry)
+    stuck = xk.open_backend("loopback", faults=Faults(stall_post_at=1))
+    pre = Session(stuck, ref.srcs[0].manifest, staging="auto")
+    decs = [Session(xk.open_backend("loopback"), d.manifest) for d in ref.dsts]
+    labels = {"driver": "loopback", "session": pre.address}
+    try:
+        metrics.watch(pre)
+        assert _sample(registry, "xferkit_staging_bytes", **labels) == pre.staging_size > 0
+        assert _sample(registry, "xferkit_staging_in_use_bytes", **labels) == 0
+        recvs = [d.expect("r", [pre.address], {"kv": [3, 4]}) for d in decs]
+        send = pre.offer("r")
+        send.write({"kv": [1, 2]}, last=True)
+        limit = time.monotonic() + 10
+        while not _sample(registry, "xferkit_staging_in_use_bytes", **labels):
+            assert time.monotonic() < limit, "no staging was ever in use"
+            time.sleep(0.01)
+        send.abort(10)
+        for r in recvs:
+            r.abort(10)
+        assert _sample(registry, "xferkit_staging_in_use_bytes", **labels) == 0
+    finally:
+        for s in (pre, *decs):
+            s.close()
+    with pytest.raises(XferError, match="watch\\(\\) takes a Session"):
+        metrics.watch("tcp://x")  # type: ignore[arg-type]

@@ -59,6 +59,16 @@ class Ranks:
         self.recvs, self.sends = recvs, sends
         return [h.wait(20) for h in recvs + sends]
 
+    def paths(self) -> set[str]:
+        """The routes the prefill ranks' pairs chose."""
+        return {
+            route.path
+            for p in self.pre
+            for down in p._protocol.pairs.downs.values()
+            if down.staged is not None
+            for route in down.staged.routes.values()
+        }
+
     def staging_back(self) -> bool:
         """Every Session's staging is one free gap again: every piece came back."""
         arenas = [s._protocol.s.arena for s in self.pre + self.dec]
@@ -83,13 +93,7 @@ def test_the_cost_model_stages_nhd_heterogeneous_tp_and_bytes_are_exact(ranks: R
     assert set(ranks.run("r", src, dst, chunks=3)) == {State.DONE}
     for i in range(len(ranks.dec)):
         ranks.ref.check(i, {"kv": (src, dst)})
-    routes = {
-        route.path
-        for p in ranks.pre
-        for down in p._protocol.pairs.downs.values()
-        if down.staged is not None
-        for route in down.staged.routes.values()
-    }
+    routes = ranks.paths()
     assert routes and routes <= {"pack", "unpack", "both"}, routes
     assert ranks.staging_back()  # every piece came back
 
@@ -99,13 +103,7 @@ def test_each_ranks_timeline_places_its_stages_inside_the_request(ranks: Ranks) 
     decode ranks land and unpack; every span lies inside the handle's own start -> DONE, and
     the serial work (plan, pack, unpack: one thread each) inside its span."""
     assert set(ranks.run("r", list(range(12)), list(range(12, 24)), chunks=3)) == {State.DONE}
-    paths = {
-        route.path
-        for p in ranks.pre
-        for down in p._protocol.pairs.downs.values()
-        if down.staged is not None
-        for route in down.staged.routes.values()
-    }
+    paths = ranks.paths()
     packs, unpacks = bool(paths & {"pack", "both"}), bool(paths & {"unpack", "both"})
     for handles, stages in (
         (ranks.sends, {"plan", "post", "wire"} | ({"pack"} if packs else set())),
@@ -113,6 +111,13 @@ def test_each_ranks_timeline_places_its_stages_inside_the_request(ranks: Ranks) 
     ):
         for h in handles:
             assert set(h.timeline) == stages, h.timeline
+            if h in ranks.sends:  # what it moved, each way, and with whom
+                readers = {d.address for d in ranks.dec if ranks.sources[ranks.sends.index(h)]
+                           in d._protocol.pairs.ups}  # fmt: skip
+                assert set(h.routes.peers) == readers and readers
+                assert h.routes.staged_descriptors > 0
+            else:
+                assert set(h.routes.peers) <= set(ranks.sources) and h.routes.peers
             start, done = min(h.times.values()), h.times[State.DONE]
             for name, span in h.timeline.items():
                 assert start <= span.start <= span.end <= done, (name, span, start, done)

@@ -58,6 +58,10 @@ class Recv:
         self.staging_wait_s = 0.0
         self.timeline = Timeline()
 
+    @property
+    def routes(self) -> Routes:
+        return Routes(staging_wait_s=self.staging_wait_s, peers=self.sources)
+
 
 class Incoming:
     """Receives: starting them, counting completions, failing them once sources stopped."""
@@ -192,7 +196,7 @@ class Incoming:
         if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
             self._release_slices(rec)
             del self.recvs[rec.rid]
-            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s), rec.timeline)
+            self.out.routed(rec.handle, rec.routes, rec.timeline)
             self.out.done(rec.handle, rec.rid)
 
     def _release_slices(self, rec: Recv) -> None:
@@ -243,7 +247,7 @@ class Incoming:
         self._release_slices(rec)
         if self.recvs.get(rec.rid) is rec:
             del self.recvs[rec.rid]
-            self.out.routed(rec.handle, Routes(staging_wait_s=rec.staging_wait_s), rec.timeline)
+            self.out.routed(rec.handle, rec.routes, rec.timeline)
             self.out.failed(rec.handle, rec.error)
 
     # -- pairs coming and going ------------------------------------------------------

@@ -263,7 +263,7 @@ class Outgoing:
         self.writes[wid] = (rec, dst, now)
         dst.pending[wid] = tag
         dst.down.writes += 1
-        rec.descriptors += len(descs)
+        rec.descriptors[r is not None] += len(descs)
         note = wire.encode(tag) if self.s.notifying else None
         left = max(rec.deadline - now, 0.001)
         horizon = max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)

@@ -77,6 +77,7 @@ class Arena:
         self.size = size - size % ALIGN if slice_bytes else 0
         self._gaps: list[tuple[int, int]] = [(base, self.size)] if self.size else []
         self._out: dict[int, int] = {}  # start -> length
+        self.used = 0  # bytes handed out (an int: any thread may read it)
 
     @property
     def half(self) -> int:
@@ -99,6 +100,7 @@ class Arena:
                 else:
                     self._gaps[i] = (start + n, length - n)
                 self._out[start] = n
+                self.used += n
                 return start
         return None
 
@@ -108,6 +110,7 @@ class Arena:
         n = self._out.pop(start, None)
         if n is None:
             return
+        self.used -= n
         gaps = self._gaps
         i = bisect.bisect(gaps, (start, 0))
         if i < len(gaps) and gaps[i][0] == start + n:  # the gap after

@@ -137,14 +137,16 @@ class SendRec:
         self.gone: Down | None = None  # once failing: the decode rank told nothing
         self.staging_wait_s = 0.0  # its chunks' waits for a piece of staging, summed
         self.staged = self.direct = 0  # its chunks (per decode place) by route
-        self.staged_bytes = self.direct_bytes = self.descriptors = 0
+        self.staged_bytes = self.direct_bytes = 0
+        self.descriptors = [0, 0]  # posted: direct, staged
         self.timeline = Timeline()
 
     @property
     def routes(self) -> Routes:
+        peers = tuple(sorted({d.down.place.address for d in self.dsts.values()}))
         return Routes(
             self.staged, self.direct, self.staging_wait_s, self.staged_bytes, self.direct_bytes,
-            self.descriptors,
+            self.descriptors[1], self.descriptors[0], peers,
         )  # fmt: skip
 
     def counted(self, direct: Descriptors, chunk: Chunk | None) -> None:

@@ -258,6 +258,17 @@ class Session(Closing):
         rid = self._check_id(request_id)
         self._submit(("renew", rid, self._check_sources(source, "renew")))
 
+    @property
+    def staging_in_use(self) -> int:
+        """Bytes of this Session's staging its requests hold now (of ``staging_size``): a
+        moment's view, readable from any thread (what ``Metrics.watch`` exports)."""
+        return self._protocol.s.arena.used
+
+    @property
+    def staging_size(self) -> int:
+        """Bytes of staging this Session hands out (0 with ``staging="never"``)."""
+        return self._protocol.s.arena.size
+
     def progress(self) -> list[str]:
         """The request ids that finished (DONE or FAILED) since the last call."""
         shell = self._shell

@@ -29,16 +29,20 @@ class Routes:
     (one per decode rank written) by route, ``staging_wait_s`` is how long they waited for
     staging memory (summed; a busy Session queues a chunk rather than send it the slower
     way), ``staged_bytes`` and ``direct_bytes`` what went each way (a staged chunk's
-    descriptors that need no gathering go direct), ``descriptors`` how many wire descriptors
-    its writes posted (staged rounds' copies, after joining, and direct ones). On the decode
-    side the counts and bytes are 0: the routes are the prefill rank's choice."""
+    descriptors that need no gathering go direct), ``staged_descriptors`` and
+    ``direct_descriptors`` the wire descriptors its writes posted each way (a staged
+    round's copies after joining), ``peers`` the session addresses of the ranks it moved
+    data with. On the decode side the counts, bytes and descriptors are 0: the routes are
+    the prefill rank's choice. Nothing is retried: a write that fails fails its request."""
 
     staged: int = 0
     direct: int = 0
     staging_wait_s: float = 0.0
     staged_bytes: int = 0
     direct_bytes: int = 0
-    descriptors: int = 0
+    staged_descriptors: int = 0
+    direct_descriptors: int = 0
+    peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
