@@ -134,8 +134,7 @@ class Metrics:
 
     def watch(self, session: Session) -> None:
         """Export ``session``'s staging in use (``xferkit_staging_in_use_bytes{session}``) and
-        its size, read at each scrape; the Session is held weakly (a closed or dropped one
-        reads 0)."""
+        its size, read at each scrape; the Session is held weakly (a dropped one reads 0)."""
         if not isinstance(session, Session):
             raise XferError(f"watch() takes a Session, not {session!r}")
         ref, labels = weakref.ref(session), {"driver": self.driver, "session": session.address}
