@@ -32,9 +32,11 @@ from .session import (
     Routes,
     Send,
     Session,
+    SessionConfig,
     SessionKeys,
     Span,
     State,
+    load_config,
 )
 from .transfer import Transfer
 
@@ -71,6 +73,7 @@ __all__ = [
     "Routes",
     "Send",
     "Session",
+    "SessionConfig",
     "SessionKeys",
     "Span",
     "State",
@@ -82,6 +85,7 @@ __all__ = [
     "backends",
     "coverage",
     "key_label",
+    "load_config",
     "open_backend",
     "plan",
 ]

@@ -217,7 +217,7 @@ def accepted_options(name: str) -> frozenset[str]:
     return frozenset(p.name for p in params if p.kind in keywords)
 
 
-def open_backend(name: str, **options: Any) -> Backend:
+def open_backend(name: str, /, **options: Any) -> Backend:
     """A ready backend by name, with ``options`` for its driver.
 
     A driver declaring ``Options`` (every in-tree one) gets them validated here:

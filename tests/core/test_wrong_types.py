@@ -140,9 +140,10 @@ def test_backend_calls(world: dict[str, Any], x: Any, y: Any, z: Any) -> None:
 @SETTINGS
 @given(name=anything, key=st.text(max_size=8), value=anything)
 def test_open_backend(name: Any, key: str, value: Any) -> None:
-    def attempt(n: Any, **options: Any) -> None:
+    def attempt(n: Any, /, **options: Any) -> None:
         xk.open_backend(n, **options).close()
 
     _only_xfer_errors(lambda: attempt(name))
     _only_xfer_errors(lambda: attempt("loopback", **{key: value}))
     _only_xfer_errors(lambda: attempt("loopback", max_batch=value))
+    _only_xfer_errors(lambda: attempt("loopback", name=value))  # an option named like the argument

@@ -15,7 +15,7 @@ import xferkit.session
 SESSION = Path(xferkit.session.__file__).parent
 CORE = {
     "actions", "core", "incoming", "outgoing", "pairs", "protocol", "rounds", "roster",
-    "sends", "staged", "states", "wire",
+    "sends", "staged", "states", "timeline", "unpacking", "wire",
 }  # fmt: skip
 FORBIDDEN = {"zmq", "threading", "time", "socket", "concurrent", "xferkit.backend"}
 

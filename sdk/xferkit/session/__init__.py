@@ -4,6 +4,7 @@ See docs/engine.md for what an engine writes per rank and docs/protocol.md
 for the messages on the wire.
 """
 
+from .config import SessionConfig, load_config
 from .handles import Receive, Send
 from .keys import SessionKeys, keygen
 from .session import Session, fingerprint
@@ -20,9 +21,11 @@ __all__ = [
     "Routes",
     "Send",
     "Session",
+    "SessionConfig",
     "SessionKeys",
     "Span",
     "State",
     "fingerprint",
     "keygen",
+    "load_config",
 ]

@@ -27,6 +27,7 @@ from ..closing import Closing
 from ..copier import CPU
 from ..errors import XferError
 from ..manifest import Manifest
+from .config import open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
 from .keys import SessionKeys
@@ -257,6 +258,15 @@ class Session(Closing):
         self._check_open("renew")
         rid = self._check_id(request_id)
         self._submit(("renew", rid, self._check_sources(source, "renew")))
+
+    @classmethod
+    def from_config(
+        cls, manifest: Manifest, config: Mapping[str, Any] | str | None = None, **options: Any
+    ) -> Session:
+        """A Session from a mapping or a JSON/TOML file, with ``XFERKIT_*`` variables over
+        it; ``options``: ``env``, ``backend``, ``on_finished``, ``on_pair``
+        (``xferkit.session.config.open_session``)."""
+        return open_session(cls, manifest, config, **options)
 
     @property
     def staging_in_use(self) -> int:
