@@ -86,3 +86,18 @@ def test_a_refused_config_leaves_no_backend_open() -> None:
     with pytest.raises(xk.XferError, match="dead_after_s"):
         Session.from_config(ref.srcs[0].manifest, {"dead_after_s": 0.5}, env={})
     assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
+
+
+def test_the_config_names_every_keyword_of_the_session_with_its_default() -> None:
+    """A new Session keyword without a config field (or a default stated twice, drifting)
+    fails here."""
+    import inspect
+
+    params = {
+        p.name: p.default
+        for p in inspect.signature(Session.__init__).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name not in ("keys", "on_finished", "on_pair")
+    }
+    c = SessionConfig()
+    assert set(c.session_kwargs()) == set(params)
+    assert c.session_kwargs() == params

@@ -27,7 +27,7 @@ from ..closing import Closing
 from ..copier import CPU
 from ..errors import XferError
 from ..manifest import Manifest
-from .config import open_session
+from .config import SessionConfig, open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
 from .keys import SessionKeys
@@ -39,6 +39,8 @@ from .sockets import check
 from .states import PairEvent
 
 __all__ = ["GROUP", "Session", "fingerprint"]
+
+_D = SessionConfig()  # the defaults, stated once (a config file and a caller agree)
 
 
 def fingerprint(manifest: Manifest) -> str:
@@ -83,21 +85,21 @@ class Session(Closing):
         backend: Backend,
         manifest: Manifest,
         *,
-        bind: str = "tcp://127.0.0.1:0",
+        bind: str = _D.bind,
         keys: SessionKeys | None = None,
-        heartbeat_s: float = 1.0,
-        dead_after_s: float = 5.0,
-        handshake_timeout_s: float = 10.0,
-        request_timeout_s: float = 60.0,
-        lease_s: float = 30.0,
-        reconnect_min_s: float = 0.1,
-        reconnect_max_s: float = 2.0,
-        group: str | None = None,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        staging: str = "auto",
-        staging_bytes: int = 64 << 20,
-        staging_slice_bytes: int = 16 << 20,
+        heartbeat_s: float = _D.heartbeat_s,
+        dead_after_s: float = _D.dead_after_s,
+        handshake_timeout_s: float = _D.handshake_timeout_s,
+        request_timeout_s: float = _D.request_timeout_s,
+        lease_s: float = _D.lease_s,
+        reconnect_min_s: float = _D.reconnect_min_s,
+        reconnect_max_s: float = _D.reconnect_max_s,
+        group: str | None = _D.group,
+        pp_rank: int = _D.pp_rank,
+        pp_size: int = _D.pp_size,
+        staging: str = _D.staging,
+        staging_bytes: int = _D.staging_bytes,
+        staging_slice_bytes: int = _D.staging_slice_bytes,
         on_finished: Callable[[Receive | Send], None] | None = None,
         on_pair: Callable[[PairEvent], None] | None = None,
     ) -> None:
