@@ -6,6 +6,7 @@ These are the names an engine uses. Driver authors find theirs in
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import group
 from .backend import Backend, Peer
 from .descriptors import Descriptors
 from .driver import Notification, Status
@@ -84,6 +85,7 @@ __all__ = [
     "__version__",
     "backends",
     "coverage",
+    "group",
     "key_label",
     "load_config",
     "open_backend",
