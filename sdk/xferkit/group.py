@@ -54,6 +54,8 @@ class GroupState:
 def summarize(handles: Iterable[Any]) -> np.ndarray:
     """This rank's row per handle (``Receive`` or ``Send``): an int64 array ``[n, 4]``."""
     rows = []
+    if not isinstance(handles, Iterable):
+        raise ArgumentError(f"summarize() takes request handles, not {handles!r}")
     for h in handles:
         try:
             state, failing, times = h.poll(), h.failing, h.times
@@ -69,18 +71,32 @@ def summarize(handles: Iterable[Any]) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
 
 
+def _rows(value: object, what: str) -> np.ndarray:
+    """``value`` as summary rows ``[n, 4]`` of int64, or an ArgumentError naming ``what``."""
+    try:
+        rows = np.asarray(value, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        rows = np.empty((0, 0), dtype=np.int64)
+    if rows.ndim not in (1, 2) or rows.shape[-1] != len(COLUMNS):
+        raise ArgumentError(f"{what}: rows of {len(COLUMNS)} int64s {COLUMNS}, not {value!r}")
+    return rows.reshape(-1, len(COLUMNS))
+
+
 def reduce(rows: Sequence[np.ndarray]) -> np.ndarray:
     """What an all-reduce with MIN computes from every rank's ``summarize`` (for tests and
     for engines that gather instead)."""
-    return np.minimum.reduce([np.asarray(r, dtype=np.int64) for r in rows])
+    ranks = [_rows(r, "reduce()") for r in rows] if isinstance(rows, Sequence) else []
+    if not ranks or len({r.shape for r in ranks}) != 1:
+        raise ArgumentError(f"reduce() takes one summary per rank, all of one shape: {rows!r}")
+    return np.minimum.reduce(ranks)
 
 
 def read(reduced: np.ndarray) -> list[GroupState]:
     """The group's verdict per request, from the reduced rows."""
     out = []
-    for terminal, clean, progress, failed_at in (
-        np.asarray(reduced, dtype=np.int64).reshape(-1, len(COLUMNS)).tolist()
-    ):
+    for terminal, clean, progress, failed_at in _rows(reduced, "read()").tolist():
+        if not 0 <= progress < len(PROGRESS):
+            raise ArgumentError(f"read(): progress {progress} is no state (0..{len(PROGRESS) - 1})")
         done = bool(terminal)  # else some rank is short of DONE: progress < DONE's
         state = (State.FAILED if not clean else State.DONE) if done else PROGRESS[progress]
         out.append(GroupState(state, not clean, done, failed_at))
@@ -90,6 +106,9 @@ def read(reduced: np.ndarray) -> list[GroupState]:
 def first_failure(mine: np.ndarray, reduced: np.ndarray) -> np.ndarray:
     """Per request, whether this rank saw the group's first failure (its root cause is the one
     to report); ties (the same microsecond) make several ranks say so."""
-    own = np.asarray(mine, dtype=np.int64).reshape(-1, len(COLUMNS))[:, 3]
-    first = np.asarray(reduced, dtype=np.int64).reshape(-1, len(COLUMNS))[:, 3]
+    own, first = _rows(mine, "first_failure()")[:, 3], _rows(reduced, "first_failure()")[:, 3]
+    if own.shape != first.shape:
+        raise ArgumentError(
+            "first_failure(): this rank's rows and the reduced ones differ in count"
+        )
     return np.asarray((own == first) & (first != NEVER))

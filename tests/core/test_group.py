@@ -99,3 +99,22 @@ def test_a_real_pair_of_handles_reads_done_and_safe() -> None:
 def test_anything_but_handles_is_refused_naming_it() -> None:
     with pytest.raises(XferError, match="takes request handles"):
         group.summarize([3])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: group.summarize(3),
+        lambda: group.read("abc"),
+        lambda: group.read([[1, 2, 3]]),
+        lambda: group.read([[0, 1, 99, 0]]),  # a progress that is no state
+        lambda: group.reduce([]),
+        lambda: group.reduce([np.zeros((1, 4)), np.zeros((2, 4))]),
+        lambda: group.first_failure([1], [[1, 2, 3, 4]]),
+        lambda: group.first_failure(np.zeros((2, 4)), np.zeros((1, 4))),
+    ],
+)
+def test_wrong_shapes_and_types_are_argument_errors(call: object) -> None:
+    """Before: raw TypeError and ValueError from numpy."""
+    with pytest.raises(XferError):
+        call()  # type: ignore[operator]

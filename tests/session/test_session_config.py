@@ -101,3 +101,16 @@ def test_the_config_names_every_keyword_of_the_session_with_its_default() -> Non
     c = SessionConfig()
     assert set(c.session_kwargs()) == set(params)
     assert c.session_kwargs() == params
+
+
+def test_from_config_refuses_what_it_cannot_use_leaving_nothing_open() -> None:
+    """Before: an unknown option was a raw TypeError."""
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(xk.ArgumentError, match="bogus"):
+        Session.from_config(ref.srcs[0].manifest, {}, env={}, bogus=1)
+    with pytest.raises(xk.ArgumentError, match="needs a Manifest"):
+        Session.from_config(3, {}, env={})  # type: ignore[arg-type]
+    with pytest.raises(xk.XferError, match="pp_rank"):
+        Session.from_config(ref.srcs[0].manifest, {"pp_rank": 10**30}, env={})
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before

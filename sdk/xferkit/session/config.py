@@ -135,6 +135,8 @@ def open_session(
     """``Session.from_config``: its backend opened from ``backend`` and ``backend_options``
     unless one is given, its keys from ``secret_key_file`` and ``trusted_keys``; a backend
     opened here is closed again if the Session is refused."""
+    if not isinstance(manifest, Manifest):
+        raise ArgumentError(f"from_config() needs a Manifest, not {manifest!r}", subject=manifest)
     c = load_config(config, env)
     keys = None
     if c.secret_key_file is not None:

@@ -25,7 +25,7 @@ from ..arguments import seconds
 from ..backend import Backend
 from ..closing import Closing
 from ..copier import CPU
-from ..errors import XferError
+from ..errors import ArgumentError, XferError
 from ..manifest import Manifest
 from .config import SessionConfig, open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
@@ -268,6 +268,9 @@ class Session(Closing):
         """A Session from a mapping or a JSON/TOML file, with ``XFERKIT_*`` variables over
         it; ``options``: ``env``, ``backend``, ``on_finished``, ``on_pair``
         (``xferkit.session.config.open_session``)."""
+        unknown = set(options) - {"env", "backend", "on_finished", "on_pair"}
+        if unknown:
+            raise ArgumentError(f"from_config(): no option {sorted(unknown)}", subject=manifest)
         return open_session(cls, manifest, config, **options)
 
     @property
