@@ -104,13 +104,13 @@ def test_anything_but_handles_is_refused_naming_it() -> None:
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: group.summarize(3),
-        lambda: group.read("abc"),
-        lambda: group.read([[1, 2, 3]]),
-        lambda: group.read([[0, 1, 99, 0]]),  # a progress that is no state
+        lambda: group.summarize(3),  # type: ignore[arg-type]
+        lambda: group.read("abc"),  # type: ignore[arg-type]
+        lambda: group.read([[1, 2, 3]]),  # type: ignore[arg-type]
+        lambda: group.read([[0, 1, 99, 0]]),  # type: ignore[arg-type]  # no such progress
         lambda: group.reduce([]),
         lambda: group.reduce([np.zeros((1, 4)), np.zeros((2, 4))]),
-        lambda: group.first_failure([1], [[1, 2, 3, 4]]),
+        lambda: group.first_failure([1], [[1, 2, 3, 4]]),  # type: ignore[arg-type]
         lambda: group.first_failure(np.zeros((2, 4)), np.zeros((1, 4))),
     ],
 )
