@@ -414,3 +414,84 @@ def test_interleavings_with_a_forger_keep_the_invariants(ops: list[tuple[str, in
     for (side, r), h in net.handles.items():
         if side == "dec" or net.handles.get(("dec", r)) is not None:
             assert h.state in (State.DONE, State.FAILED), (side, r, h.states)
+
+
+# -- what the simulator found (python -m xferkit.testing.sim; docs/reliability.md) ------------
+
+
+def test_a_refused_pairs_request_cannot_fail_a_place_another_connection_claimed() -> None:
+    """Found by the simulator (invariant 7): a connection whose handshake failed sent a
+    Request for an id the honest decode rank had claimed, and the prefill failed the whole
+    request with that connection's error (then every rank of it, with the forged cause)."""
+    net = Net()
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()  # the honest decode rank claimed its place
+    net.offer("r")
+    net.inject(b"X", _hello(net, "tcp://x", "x-drv", version=wire.PROTOCOL_VERSION - 1))
+    assert _welcomes(net, b"X")[0].error  # refused: its pair keeps the error
+    net.inject(b"X", wire.Request(rid="r", gen=recv_gen(net, "r"), needed=True, slots={}))
+    replies = [m for i, m in net.to_others if i == b"X" and isinstance(m, wire.Fail)]
+    assert [m.rid for m in replies] == ["r"]  # it is told its own pair's error
+    send = net.handles["pre", "r"]
+    assert send.failing is None and send.state is not State.FAILED
+    net.write("r", {"kv": [3, 4]}, last=True)
+    net.finish_all()
+    net.deliver()
+    assert send.state is State.DONE and recv.state is State.DONE
+
+
+def recv_gen(net: Net, rid: str) -> int:
+    return net.dec.incoming.recvs[rid].gen
+
+
+def test_an_offer_of_an_id_that_failed_here_fails_at_once_with_its_root_cause() -> None:
+    """Found by the simulator (invariant 5): an id offered again after it failed here waited
+    out its lease ("no decode rank claimed it") while every decode rank asking for it was told
+    the earlier root cause; and an id offered again after DONE read a text of another shape
+    than the decode ranks'."""
+    net = Net()
+    net.handshake()
+    net.expect("r", {"kv": [1]})
+    net.deliver()
+    net.offer("r")
+    net.abort("dec", "r")
+    net.deliver()
+    first = net.handles["pre", "r"]
+    assert first.state is State.FAILED and first.error is not None
+    again = net.offer("r")
+    assert again.state is State.FAILED and again.error is not None
+    assert str(again.error) == str(first.error)
+    reused = net.offer("warm")  # DONE here in the handshake
+    net.expect("warm", {"kv": [5]})
+    net.deliver()
+    told = net.handles["dec", "warm"]
+    assert reused.error is not None and told.failing is not None
+    assert str(reused.error) == str(told.failing)  # one text on both sides
+    assert "was already used with this prefill rank" in str(reused.error)
+
+
+def test_closing_a_decode_session_says_failed_only_once_its_sources_stopped() -> None:
+    """Found by the simulator (invariant 1): close() reported a decode request FAILED at
+    once, and a write already in the prefill's driver landed after it. Now it drains like
+    any failure, and goodbye (the shell's last step, before the backend deregisters the
+    memory) settles whatever is left."""
+    net = Net()
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    late = net.expect("q", {"kv": [3]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)
+    assert len(net.writes) == 1
+    net.apply("dec", net.dec.close("closed by the engine", net.now))
+    assert recv.failing is not None and recv.state is not State.FAILED
+    assert net.dec.draining()
+    net.deliver()
+    assert recv.state is not State.FAILED  # the prefill's write is still in its driver
+    net.finish_all()
+    net.deliver()
+    assert recv.state is State.FAILED and net.failed_with_writes == []
+    assert late.state is not State.FAILED or late.failing is not None
+    net.apply("dec", net.dec.goodbye("closed by the engine"))
+    assert not net.dec.draining() and late.state is State.FAILED

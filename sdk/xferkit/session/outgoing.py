@@ -19,13 +19,7 @@ from ..descriptors import Descriptors
 from ..errors import PlanError, ProtocolError
 from . import actions as act
 from . import wire
-from .core import (
-    Out,
-    Settings,
-    log,
-    remember,
-    stage_text,
-)
+from .core import Out, Settings, log, remember, stage_text
 from .pairs import Down
 from .sends import Dst, Ledger, SendRec, unpack_slots
 from .staged import Stager
@@ -55,9 +49,11 @@ class Outgoing:
 
     def request(self, down: Down, msg: wire.Request, now: float) -> None:
         rid, where = msg.rid, self.s.where("prefill")
-        if down.error is not None:  # the handshake failed: both sides report its text
-            stage, text = down.error
-            if self.ledger.root_cause(rid) is None and rid not in self.ledger.finished:
+        if down.error is not None:  # the handshake failed: both sides report its text, but
+            stage, text = down.error  # a place another connection claimed is not its to fail
+            rec = self.sends.get(rid)
+            mine = rec is None or (down.place.pp_rank, down.place.tp_rank) not in rec.dsts
+            if mine and self.ledger.root_cause(rid) is None and rid not in self.ledger.finished:
                 self._early_failure(rid, RequestError(text, stage=stage, request_id=rid))
             self._reply(down, rid, msg.gen, stage, text)
             return
@@ -72,7 +68,7 @@ class Outgoing:
         rec = self.sends.get(rid)
         problem = ""
         if rid in self.ledger.finished:
-            problem = f"request id {rid!r} was already used with this prefill rank"
+            problem = _reused(rid)
         elif rec is not None and place in rec.dsts:
             problem = f"request id {rid!r} was already used by {down.where()} (a second Request)"
         elif rec is not None and rec.dst_size not in (None, shape):
@@ -182,11 +178,11 @@ class Outgoing:
         early = self.ledger.early.pop(rid, None)
         if early is not None:  # decode ranks asking after this get the same root cause
             remember(self.ledger.failed, rid, early)
-        if early is not None or rid in self.ledger.finished:
-            error = early or RequestError(
-                f"request {rid!r} already finished here", stage="request", request_id=rid
-            )
-            self.out.failed(handle, error)
+        # A used id fails as its decode ranks are told: a failed one with its root cause.
+        error = early or self.ledger.failed.get(rid)
+        if error is not None or rid in self.ledger.finished:
+            text = stage_text(rid, "request", self.s.where("prefill"), _reused(rid))
+            self.out.failed(handle, error or RequestError(text, stage="request", request_id=rid))
             return
         rec = self._rec(rid, now)
         rec.handle = handle
@@ -392,6 +388,11 @@ class Outgoing:
     def next_deadline(self) -> float:
         ends = (r.deadline if r.lease_until is None else r.lease_until for r in self.sends.values())
         return min(ends, default=float("inf"))
+
+
+def _reused(rid: str) -> str:
+    """Why a finished id is refused: one text for the offer and every decode rank asking."""
+    return f"request id {rid!r} was already used with this prefill rank"
 
 
 def _rid(handle: object) -> str:

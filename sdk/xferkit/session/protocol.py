@@ -87,8 +87,7 @@ class Protocol:
 
     def abort(self, handle: object, now: float) -> list[act.Action]:
         self._enter(now)
-        rid = handle.request_id  # type: ignore[attr-defined]
-        rec = self.incoming.recvs.get(rid)
+        rec = self.incoming.recvs.get(handle.request_id)  # type: ignore[attr-defined]
         if rec is not None and rec.handle is handle:
             self.incoming.fail(rec, "abort", "aborted by the engine", None, now)
         else:
@@ -122,20 +121,25 @@ class Protocol:
         return self.out.take()
 
     def close(self, why: str, now: float) -> list[act.Action]:
-        """Fail every open request on both sides (the decode side cannot wait: its memory is
-        about to go). The shell lets the writes end, then calls ``goodbye``."""
+        """Fail every open request on both sides. The shell runs on while ``draining`` (our
+        writes end, our sources confirm their aborts), up to its limit, then ``goodbye``."""
         self._enter(now)
-        for rec in list(self.incoming.recvs.values()):
-            if rec.error is None:
-                self.incoming.fail(rec, "closed", why, None, now)
-            rec.acks.clear()
-            self.incoming.settle(rec)
+        for rec in [r for r in self.incoming.recvs.values() if r.error is None]:
+            self.incoming.fail(rec, "closed", why, None, now)
         for srec in list(self.outgoing.sends.values()):
             self.outgoing.fail(srec, "closed", why)
         return self.out.take()
 
+    def draining(self) -> bool:
+        """A failed decode request still waits for a source to confirm it stopped writing."""
+        return any(r.acks for r in self.incoming.recvs.values())
+
     def goodbye(self, why: str) -> list[act.Action]:
-        """Say ``Bye`` to every peer and close every connection."""
+        """Report FAILED what still drains (the backend deregisters our memory next: nothing
+        lands after that), say ``Bye`` to every peer and close every connection."""
+        for rec in list(self.incoming.recvs.values()):
+            rec.acks.clear()
+            self.incoming.settle(rec)
         bye = wire.Bye(incarnation=self.s.incarnation, reason=why)
         for up in list(self.pairs.conns.values()):
             if not up.lost:
@@ -192,11 +196,8 @@ class Protocol:
             return
         down = self.pairs.downs.get(ident)
         if down is None:
-            log.warning(
-                "%s: %s from a peer that never said Hello: dropped",
-                self.s.address,
-                type(msg).__name__,
-            )
+            log.warning("%s: %s from a peer that never said Hello: dropped", self.s.address,
+                        type(msg).__name__)  # fmt: skip
             return
         down.last_seen = now
         if isinstance(msg, wire.Ping):
@@ -350,9 +351,8 @@ class Protocol:
         return self.out.take()
 
     def next_deadline(self) -> float:
-        """When ``timer`` must run next. Every deadline of the parts (heartbeats, handshakes,
-        requests, leases, drains) is checked by ``timer``, which runs every ``tick_s`` at the
-        latest: cheap enough to ask on every pass of a shell's loop."""
+        """When ``timer`` must run next (every ``tick_s`` at the latest, checking every part's
+        deadlines): cheap enough to ask on every pass of a shell's loop."""
         return self._tick_at
 
     def deadlines(self) -> float:

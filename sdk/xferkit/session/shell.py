@@ -146,41 +146,46 @@ class Shell:
     # -- the control thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        p = self.protocol
-        assert p is not None
-        wake = self._wake_r.fileno()
         try:
-            while True:
-                now = time.monotonic()
-                wait = max(p.next_deadline() - now, 0.0)
-                if self._poll_notes and p.incoming.recvs:
-                    wait = min(wait, POLL_S)
-                if self.commands:  # left over by the last pass's budget
-                    wait = 0.0
-                events = dict(self._poller.poll(math.ceil(min(wait, 0.05) * 1000)))
-                if events.pop(wake, None) is not None:
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(4096)
-                self._until = time.monotonic() + BUDGET_S
-                self._drain_router(events)
-                self._until = time.monotonic() + BUDGET_S  # a flood there starves not these
-                self._drain_dealers(events)
-                if (
-                    self._notify_fd is not None and events.pop(self._notify_fd, None) is not None
-                ) or (self._poll_notes and p.incoming.recvs):
-                    self._drain_notifications()
-                self._until = time.monotonic() + BUDGET_S
-                if self.commands and self._run_commands():
-                    return
-                now = time.monotonic()
-                if now >= p.next_deadline():
-                    self._apply(p.timer(now))
-                self._flush()
+            while not self._pass(0.05):
+                pass
         except Exception:  # a bug: fail everything loudly rather than hang the engine
             log.exception("%s: the session's control thread crashed", self.where)
             self._close("the session's control thread crashed (see the log)")
         finally:
             self.stopped.set()
+
+    def _pass(self, most_s: float) -> bool:
+        """One pass of the control thread: wait up to ``most_s`` for something to do, then
+        messages, notifications, commands and timers; True once a command closed the session."""
+        p = self.protocol
+        assert p is not None
+        now = time.monotonic()
+        wait = max(p.next_deadline() - now, 0.0)
+        if self._poll_notes and p.incoming.recvs:
+            wait = min(wait, POLL_S)
+        if self.commands:  # left over by the last pass's budget
+            wait = 0.0
+        events = dict(self._poller.poll(math.ceil(min(wait, most_s) * 1000)))
+        if events.pop(self._wake_r.fileno(), None) is not None:
+            with contextlib.suppress(OSError):
+                self._wake_r.recv(4096)
+        self._until = time.monotonic() + BUDGET_S
+        self._drain_router(events)
+        self._until = time.monotonic() + BUDGET_S  # a flood there starves not these
+        self._drain_dealers(events)
+        if (self._notify_fd is not None and events.pop(self._notify_fd, None) is not None) or (
+            self._poll_notes and p.incoming.recvs
+        ):
+            self._drain_notifications()
+        self._until = time.monotonic() + BUDGET_S
+        if self.commands and self._run_commands():
+            return True
+        now = time.monotonic()
+        if now >= p.next_deadline():
+            self._apply(p.timer(now))
+        self._flush()
+        return False
 
     def _run_commands(self) -> bool:
         """Run the queued commands; True when one was ``close``."""
@@ -212,10 +217,9 @@ class Shell:
         self._apply(p.close(why, time.monotonic()))
         self._flush()
         limit = time.monotonic() + DRAIN_S
-        while (self.data.busy or self.commands) and time.monotonic() < limit:
-            self._run_commands()
-            self._flush()
-            time.sleep(0.002)
+        while (self.data.busy or self.commands or p.draining()) and time.monotonic() < limit:
+            self._pass(0.002)  # writes end, sources confirm their aborts
+        self._until = math.inf
         self._run_commands()
         self._flush()
         self._apply(p.goodbye(why))
