@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install sysdeps test lint demo bench clean
+.PHONY: install sysdeps test lint demo bench sim clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ demo: install
 # Every benchmarks/bench_*.py, each writing benchmarks/results/<name>.json.
 bench: install
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+# The simulator, longer than CI runs it (docs/reliability.md): 200,000 schedules on both cores.
+sim: install
+	$(BIN)/python -m xferkit.testing.sim --seeds 100000 --first 1000000 --workers 2
+	$(BIN)/python -m xferkit.testing.sim --seeds 100000 --first 2000000 --workers 2 --mix
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

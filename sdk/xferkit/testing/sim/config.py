@@ -1,0 +1,74 @@
+"""What one simulated schedule may contain: its ranks, its engine's requests, its faults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAULTS = frozenset(
+    {
+        "delay",  # messages take from microseconds to seconds
+        "partition",  # a pair of hosts cannot talk for a while, then heals (TCP holds the bytes)
+        "stall",  # a driver write stalls until its timeout
+        "fail",  # a driver write fails after landing part of its bytes
+        "pause",  # a rank is stopped (SIGSTOP) for up to ``max_pause_s``, then resumes
+        "crash",  # a rank is killed (SIGKILL) and restarts as a new incarnation
+        "clock",  # a rank's monotonic clock jumps forward
+        "hostile",  # a third peer with a trusted key replays, forges and floods messages
+        "abort",  # the engine aborts requests at any point
+        "close",  # the engine closes a rank's Session at any time (and starts a new one)
+        "reuse",  # request ids are reused once every rank of the last use is terminal
+    }
+)
+"""Faults a schedule draws from by default: what ZMQ over TCP and a correct driver can do."""
+
+HARSH = frozenset(
+    {
+        "reorder",  # messages on one connection overtake each other (ZMQ never does this)
+        "duplicate",  # a message is delivered twice (ZMQ never does this)
+        "loss",  # a message is lost without a reconnect (ZMQ never does this)
+        "late",  # a driver lands bytes after it reported the write ended (UCX over TCP did)
+        "impersonate",  # the hostile peer presents the endpoint of a decode rank not paired now
+    }
+)
+"""Faults beyond the contracts: the protocol is not expected to survive all of them."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One simulation's shape; ``faults`` may name any of ``FAULTS | HARSH``."""
+
+    prefill_tp: int = 2
+    decode_tp: int = 2
+    requests: int = 6
+    arrivals_s: float = 20.0  # requests arrive within this many simulated seconds
+    abort_p: float = 0.15  # the chance a request is aborted by one of its ranks ("abort")
+    close_p: float = 0.03  # the chance a request's start sees a rank's Session closed ("close")
+    max_pause_s: float = 25.0  # past the drain bound (drain_s + dead_after_s) on purpose
+    faults: frozenset[str] = field(default=FAULTS)
+    kv_slots: int = 16
+    state_slots: int = 8
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+    lease_s: float = 20.0
+    drain_s: float = 10.0
+    max_steps: int = 200_000
+
+    def __post_init__(self) -> None:
+        unknown = set(self.faults) - FAULTS - HARSH
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS | HARSH)}")
+
+    @property
+    def bound_s(self) -> float:
+        """How long any request may stay open after it began, whatever the faults: its deadlines
+        (handshake, request, drain after the abort it may need) and one pause of each side."""
+        return (
+            self.handshake_timeout_s
+            + max(self.request_timeout_s, self.lease_s)
+            + self.drain_s
+            + 2 * self.dead_after_s
+            + 2 * self.max_pause_s
+            + 5.0
+        )

@@ -1,0 +1,150 @@
+"""The simulated driver: writes with the backend contract's semantics, over real memory.
+
+A post is taken by the rank's data-plane worker (stopped with its process; a
+post that waited past its horizon is refused), then its bytes land after a
+delay, the peer's notification follows the data, and the write ends. Faults
+from the seed: a write fails after part of its bytes landed, or stalls until
+its timeout; ``late`` (harsh) lands bytes after the write was reported ended.
+A write to a peer that is gone (crashed, restarted, closed) fails and lands
+nothing: its registration went with its process. Writes of a rank that crashes
+and have not landed never land (the kernel tears its queues down first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...descriptors import Descriptors
+from ...endpoint import endpoint_address
+from ...session import actions as act
+from ...session import wire
+from ..reference import execute
+from .hostile import HOSTILE
+
+if TYPE_CHECKING:
+    from .world import Rank, World
+
+
+@dataclass
+class Write:
+    wid: int
+    pre: str
+    pre_inc: int
+    peer: tuple  # ("peer", decode rank, its incarnation)
+    descs: Descriptors
+    tag: wire.Tag | None
+    note: bytes | None
+    landed: bool = False
+    cancelled: bool = False
+    ended: bool = False
+
+
+class Driver:
+    def __init__(self, world: World) -> None:
+        self.w = world
+        self.writes: dict[tuple[str, int], Write] = {}  # (prefill rank, wid) -> not ended
+
+    def pending(self, rank: Rank) -> int:
+        return sum(1 for (pre, _), wr in self.writes.items() if pre == rank.name)
+
+    def connect(self, rank: Rank, a: act.Connect) -> None:
+        """Connect to the rank whose driver the endpoint names (whoever sent it)."""
+        name = endpoint_address(a.endpoint).removesuffix("-drv")
+        dec = self.w.ranks.get(name)
+        t = self.w.now + self.w.rng.uniform(0.0001, 0.01)
+        if name == HOSTILE:  # its own driver and memory: writes to it land nowhere we check
+            self.w.to(rank, t, "connected", a.key, ("peer", HOSTILE, 0), 1, "")
+            return
+        if dec is None or not dec.alive or dec.role != "decode":
+            self.w.to(rank, t, "connected", a.key, None, 0, f"connect: {name}-drv unreachable")
+            return
+        self.w.to(rank, t, "connected", a.key, ("peer", dec.name, dec.incarnation), 1, "")
+
+    def post(self, rank: Rank, a: act.Post) -> None:
+        tag = wire.decode_tag(a.note) if a.note else None
+        wr = Write(a.wid, rank.name, rank.incarnation, a.peer, a.descs, tag, a.note)
+        self.writes[rank.name, a.wid] = wr
+        t = self.w.now + self.w.rng.uniform(0.000001, 0.0002)  # a hand-off to the worker
+        self.w.at(t, self._start, rank, wr, a)
+
+    def _start(self, rank: Rank, wr: Write, a: act.Post) -> None:
+        """The worker takes the post (later, if its process is stopped)."""
+        if rank.incarnation != wr.pre_inc or not rank.alive:
+            self.writes.pop((wr.pre, wr.wid), None)
+            return
+        if rank.paused_until > self.w.now:
+            self.w.at(self.w.resumed(rank), self._start, rank, wr, a)
+            return
+        if wr.cancelled:
+            self._end(rank, wr, "cancelled before it was posted")
+            return
+        if rank.local(self.w.now) - a.made > a.horizon:
+            self._end(rank, wr, "refused: the post waited past its horizon")
+            return
+        rng, faults = self.w.rng, self.w.config.faults
+        lat = rng.uniform(0.0001, 0.005) if rng.random() < 0.95 else rng.uniform(0.005, 1.5)
+        land = self.w.now + lat
+        if wr.peer[1] == HOSTILE:
+            self.w.at(land, self._end, rank, wr, "")
+            return
+        dec = self.w.ranks.get(wr.peer[1])
+        if dec is None or not dec.alive or dec.incarnation != wr.peer[2]:
+            self.w.at(land, self._end, rank, wr, f"peer {wr.peer} unreachable")
+            return
+        x = rng.random()
+        if "stall" in faults and x < 0.02:
+            t = self.w.now + max(a.timeout, 0.0) + rng.uniform(0, 0.5)
+            self.w.at(t, self._end, rank, wr, f"timed out after {a.timeout:.3f} s")
+        elif "fail" in faults and x < 0.05:
+            self.w.at(land, self._land, wr, rng.random())
+            self.w.at(land + 0.0001, self._end, rank, wr, "transport error (simulated)")
+        elif "late" in faults and x < 0.08:
+            self.w.at(land, self._end, rank, wr, "transport error (simulated), bytes in flight")
+            self.w.at(land + rng.uniform(0.1, 2.0), self._land, wr, 1.0, True)
+        else:
+            self.w.at(land, self._land, wr, 1.0)
+            self.w.at(land + rng.uniform(0.00001, 0.001), self._end, rank, wr, "")
+
+    def _land(self, wr: Write, share: float, late: bool = False) -> None:
+        """Bytes reach the peer's memory (``share`` of the descriptors, in order)."""
+        pre = self.w.ranks[wr.pre]
+        if not late and (wr.ended or pre.incarnation != wr.pre_inc or not pre.alive):
+            return
+        dec = self.w.ranks[wr.peer[1]]
+        if not dec.alive or dec.incarnation != wr.peer[2]:
+            return
+        n = len(wr.descs) if share >= 1.0 else int(len(wr.descs) * share)
+        descs = wr.descs
+        if n < len(descs):
+            descs = Descriptors(descs.src[:n], descs.dst[:n], descs.nbytes[:n])
+        if n:
+            self.w.check.landing(wr, descs, late)
+            execute(descs)
+        wr.landed = True
+        if share >= 1.0 and wr.note is not None and not late and not wr.cancelled:
+            t = self.w.now + self.w.rng.uniform(0.00001, 0.002)
+            self.w.to(dec, t, "notification", pre.driver_name, wr.note)
+
+    def _end(self, rank: Rank, wr: Write, error: str) -> None:
+        if wr.ended:
+            return
+        wr.ended = True
+        self.writes.pop((wr.pre, wr.wid), None)
+        if rank.incarnation == wr.pre_inc and rank.alive:
+            if wr.cancelled and not error:
+                error = "cancelled"
+            self.w.to(rank, self.w.now, "write_ended", wr.wid, error)
+
+    def cancel(self, rank: Rank, wid: int) -> None:
+        wr = self.writes.get((rank.name, wid))
+        if wr is None or wr.ended:
+            return
+        wr.cancelled = True
+        if not wr.landed:  # the driver lets go soon; a landing racing it may still happen
+            t = self.w.now + self.w.rng.uniform(0.0001, 0.01)
+            self.w.at(t, self._end, rank, wr, "cancelled")
+
+    def gone(self, rank: Rank) -> None:
+        for key in [k for k in self.writes if k[0] == rank.name]:
+            del self.writes[key]

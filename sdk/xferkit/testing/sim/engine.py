@@ -1,0 +1,212 @@
+"""The simulated engine: requests from the seed, slots reused the moment that is allowed.
+
+Each use of a request id spans the prefill TP group (``offer``, then the
+slots in chunks, the last with ``last=True``) and the decode TP group
+(``expect`` naming every prefill rank). Either side may come first; any rank
+may abort at any time; ids are reused once every rank of their last use is
+terminal. A group's slots go back to its free list once every rank of the use
+is terminal there (or its process died), and the next request may take them
+at once: exactly what an engine is allowed to do, and what makes a late write
+land in someone else's pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...session.states import RequestError, State
+
+if TYPE_CHECKING:
+    from .world import Rank, World
+
+
+@dataclass(eq=False)
+class Handle:
+    """One rank's handle on one use: what the core told it, in order."""
+
+    request_id: str
+    side: str
+    rank: str
+    inc: int
+    use: Use
+    began: float
+    states: list[State] = field(default_factory=list)
+    error: RequestError | None = None
+    failing: RequestError | None = None
+    finished: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        return bool(self.states) and self.states[-1] in (State.DONE, State.FAILED)
+
+
+@dataclass(eq=False)
+class Use:
+    serial: int
+    rid: str
+    src: dict[str, list[int]]
+    dst: dict[str, list[int]]
+    chunks: list[dict[str, list[int]]]
+    reused: bool = False
+    incs: dict[str, int] = field(default_factory=dict)  # rank -> its incarnation at the start
+    handles: dict[str, Handle] = field(default_factory=dict)  # rank -> its handle
+    settled: set[str] = field(default_factory=set)  # ranks whose part is over
+    freed: set[str] = field(default_factory=set)  # sides whose slots went back
+
+
+class Engine:
+    def __init__(self, world: World) -> None:
+        self.w = world
+        c = world.config
+        self.free = {
+            "prefill": {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))},
+            "decode": {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))},
+        }
+        self.uses: list[Use] = []
+        self.by_serial: dict[int, Use] = {}
+        self.retired: list[str] = []  # ids whose last use is terminal everywhere
+
+    def start(self) -> None:
+        c, rng = self.w.config, self.w.rng
+        for i in range(c.requests):
+            self.w.at(rng.uniform(0.0, c.arrivals_s), self.begin, i)
+
+    def begin(self, i: int) -> None:
+        rng = self.w.rng
+        kv = rng.randint(1, 4)
+        want = {"kv": kv, "state": 1}
+        if any(len(self.free[s][p]) < n for s in self.free for p, n in want.items()):
+            self.w.at(self.w.now + 1.0, self.begin, i)  # no free slots yet
+            return
+        src = {p: self._take("prefill", p, n) for p, n in want.items()}
+        dst = {p: self._take("decode", p, n) for p, n in want.items()}
+        rid, reused = f"r{i}", False
+        if "reuse" in self.w.config.faults and self.retired and rng.random() < 0.4:
+            rid, reused = self.retired.pop(rng.randrange(len(self.retired))), True
+        cut = sorted(rng.sample(range(1, kv), min(rng.randint(0, 2), kv - 1))) if kv > 1 else []
+        bounds = [0, *cut, kv]
+        chunks = [{"kv": src["kv"][a:b]} for a, b in itertools.pairwise(bounds)]
+        chunks[-1]["state"] = src["state"]
+        use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused)
+        use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
+        self.uses.append(use)
+        self.by_serial[use.serial] = use
+        for rank in self.w.decode:
+            self.w.ranks[rank].memory.scrub(dst)
+        t0 = self.w.now
+        decode_first = rng.random() < 0.5
+        for rank in self.w.decode:
+            t = t0 + (0.0 if decode_first else rng.uniform(0.0, 2.0)) + rng.uniform(0, 0.05)
+            self.w.at(t, self._expect, use, rank)
+        for rank in self.w.prefill:
+            t = t0 + (rng.uniform(0.0, 2.0) if decode_first else 0.0) + rng.uniform(0, 0.05)
+            self.w.at(t, self._offer, use, rank)
+        if "abort" in self.w.config.faults and rng.random() < self.w.config.abort_p:
+            rank = rng.choice([*self.w.prefill, *self.w.decode])
+            self.w.at(t0 + rng.uniform(0.0, 4.0), self._abort, use, rank)
+        if "close" in self.w.config.faults and rng.random() < self.w.config.close_p:
+            rank = rng.choice([*self.w.prefill, *self.w.decode])
+            self.w.at(t0 + rng.uniform(0.0, 4.0), self.w.close_rank, rank)
+
+    def _take(self, side: str, pool: str, n: int) -> list[int]:
+        free = self.free[side][pool]
+        got = [free.pop(self.w.rng.randrange(len(free))) for _ in range(n)]
+        return got
+
+    # -- engine calls, on a rank's current incarnation ----------------------------------
+
+    def _handle(self, use: Use, rank: Rank, side: str) -> Handle | None:
+        if not rank.alive or rank.closing or rank.incarnation != use.incs[rank.name]:
+            return None  # its engine's calls went with the process or Session that had them
+        if rank.name in use.handles:
+            raise AssertionError(f"{rank.name} called twice for use {use.serial}")
+        h = Handle(use.rid, side, rank.name, rank.incarnation, use, self.w.now)
+        use.handles[rank.name] = h
+        rank.handles.add(h)
+        self.w.check.opened(h)
+        return h
+
+    def _expect(self, use: Use, name: str) -> None:
+        rank = self.w.ranks[name]
+        if rank.paused_until > self.w.now and rank.alive:
+            self.w.at(self.w.resumed(rank), self._expect, use, name)
+            return
+        h = self._handle(use, rank, "decode")
+        if h is None:
+            self.settle(use, name)
+            return
+        h.states.append(State.HANDSHAKING)
+        rank.memory.offered(use)
+        arrays = {p: np.asarray(s, dtype=np.int64) for p, s in use.dst.items()}
+        self.w.call(rank, "expect", h, use.rid, tuple(self.w.prefill), arrays, 1)
+        rec = rank.proto.incoming.recvs.get(use.rid)
+        if rec is not None and rec.handle is h:  # its writes carry this claim's generation
+            rank.memory.serials[use.rid, rec.gen] = use.serial
+
+    def _offer(self, use: Use, name: str) -> None:
+        rank = self.w.ranks[name]
+        if rank.paused_until > self.w.now and rank.alive:
+            self.w.at(self.w.resumed(rank), self._offer, use, name)
+            return
+        h = self._handle(use, rank, "prefill")
+        if h is None:
+            self.settle(use, name)
+            return
+        h.states.append(State.WAITING)
+        rank.memory.offered(use)
+        self.w.call(rank, "offer", h, use.rid)
+        t = self.w.now
+        for i, chunk in enumerate(use.chunks):
+            t += self.w.rng.uniform(0.0, 0.3)
+            self.w.at(t, self._write, h, chunk, i == len(use.chunks) - 1)
+
+    def _write(self, h: Handle, chunk: dict[str, list[int]], last: bool) -> None:
+        rank = self.w.ranks[h.rank]
+        if rank.incarnation != h.inc or not rank.alive or rank.closing:
+            return
+        if rank.paused_until > self.w.now:
+            self.w.at(self.w.resumed(rank), self._write, h, chunk, last)
+            return
+        if h.terminal:
+            return  # an engine stops writing a request that ended (Session.write would raise)
+        arrays = {p: np.asarray(s, dtype=np.int64) for p, s in chunk.items()}
+        self.w.call(rank, "write", h, arrays, last)
+        c = self.w.config
+        if not last and "pause" in c.faults and self.w.rng.random() < 0.05:
+            # Stopped between chunks, long enough to be declared lost: the worst moment.
+            self.w.pause(rank.name, self.w.rng.uniform(c.dead_after_s, c.max_pause_s))
+
+    def _abort(self, use: Use, name: str) -> None:
+        rank = self.w.ranks[name]
+        h = use.handles.get(name)
+        if h is None or rank.incarnation != h.inc or not rank.alive or rank.closing:
+            return
+        if rank.paused_until > self.w.now:
+            self.w.at(self.w.resumed(rank), self._abort, use, name)
+            return
+        self.w.call(rank, "abort", h)
+
+    # -- what the engine learns ---------------------------------------------------------
+
+    def ended(self, h: Handle) -> None:
+        """``h`` is terminal on its rank (or its process died): its slots may go back."""
+        self.w.ranks[h.rank].memory.released(h)
+        self.settle(h.use, h.rank)
+
+    def settle(self, use: Use, rank: str) -> None:
+        """``rank``'s part of ``use`` is over: its handle is terminal, its process died, or it
+        never made its call (it was gone or closing then)."""
+        use.settled.add(rank)
+        for side, ranks in (("prefill", self.w.prefill), ("decode", self.w.decode)):
+            if side in use.freed or not use.settled.issuperset(ranks):
+                continue
+            use.freed.add(side)
+            slots = use.src if side == "prefill" else use.dst
+            for pool, got in slots.items():
+                self.free[side][pool].extend(got)
+        if len(use.freed) == 2:
+            self.retired.append(use.rid)

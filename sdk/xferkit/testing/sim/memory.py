@@ -1,0 +1,86 @@
+"""A rank's memory as the checker sees it: whose use each slot is offered to, right now.
+
+The bytes are the reference model's (real arrays, real addresses: the simulated driver
+copies them); beside them, per pool, the use each slot is offered to (0: none), set when
+the rank's engine calls ``expect`` or ``offer`` and cleared when its handle is terminal.
+A write is checked against this at the moment it lands (invariant 1).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..reference import Rank
+
+if TYPE_CHECKING:
+    from .engine import Handle, Use
+
+UNWRITTEN = 0xA5
+"""What a destination slot holds between its allocation and the first write of its request."""
+
+
+class Memory:
+    def __init__(self, rank: Rank, side: str) -> None:
+        self.arrays, self.manifest, self.side = rank.arrays, rank.manifest, side
+        m = rank.manifest
+        self.pools = sorted(m.pools)
+        self.region_addr = m.addrs.astype(np.int64)
+        self.region_slot = np.array([r.slot_nbytes for r in m], dtype=np.int64)
+        self.region_pool = np.array([self.pools.index(r.pool) for r in m], dtype=np.int64)
+        self.owner = [np.zeros(m.pools[p], dtype=np.int64) for p in self.pools]
+        self.serials: dict[tuple[str, int], int] = {}  # (rid, claim generation) -> use
+
+    def clear(self) -> None:
+        for o in self.owner:
+            o[:] = 0
+        self.serials.clear()
+
+    def scrub(self, slots: dict[str, list[int]]) -> None:
+        for key, array in self.arrays.items():
+            if key[0] in slots:
+                array[slots[key[0]]] = UNWRITTEN
+
+    def _slots(self, use: Use) -> dict[str, list[int]]:
+        return use.dst if self.side == "dst" else use.src
+
+    def offered(self, use: Use) -> None:
+        for pool, got in self._slots(use).items():
+            self.owner[self.pools.index(pool)][got] = use.serial
+
+    def released(self, h: Handle) -> None:
+        serial = h.use.serial
+        for pool, got in self._slots(h.use).items():
+            o = self.owner[self.pools.index(pool)]
+            o[got] = np.where(o[got] == serial, 0, o[got])
+        for key in [k for k, v in self.serials.items() if v == serial]:
+            del self.serials[key]
+
+    def foreign(self, addrs: np.ndarray, nbytes: np.ndarray, serial: int) -> str | None:
+        """Where bytes ``[addrs, +nbytes)`` touch a slot not held by use ``serial``, or None."""
+        where = self.manifest.locate(addrs, nbytes)
+        if (where < 0).any():
+            i = int(np.flatnonzero(where < 0)[0])
+            return f"{int(addrs[i]):#x} (+{int(nbytes[i])}) outside every region"
+        off = addrs.astype(np.int64) - self.region_addr[where]
+        size = self.region_slot[where]
+        first, last = off // size, (off + nbytes.astype(np.int64) - 1) // size
+        pool = self.region_pool[where]
+        for p, owner in enumerate(self.owner):
+            mine = pool == p
+            if not mine.any():
+                continue
+            lo, span = first[mine], last[mine] - first[mine] + 1  # every slot each touches
+            slots = (
+                np.repeat(lo, span)
+                + np.arange(span.sum())
+                - np.repeat(np.cumsum(span) - span, span)
+            )
+            held = owner[slots]
+            bad = np.flatnonzero(held != serial)
+            if bad.size:
+                return (
+                    f"{self.pools[p]} slot {int(slots[bad[0]])} (held by use {int(held[bad[0]])})"
+                )
+        return None

@@ -1,0 +1,238 @@
+"""Defects put back into the protocol core, one at a time, to show the simulator finds each.
+
+Each ``Mutation`` edits the source of one or more methods (the defect as it was, or a
+classic one) and swaps the edited functions in for the duration of ``applied()``.
+``hunt`` runs seeded schedules under it until a violation shows; how many schedules that
+took is the simulator's power against that defect (docs/reliability.md, the table).
+Defects the simulator does not model (sockets, the garbage collector, group rosters,
+memory held per message) are listed in ``OUTSIDE`` with where they are tested instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from unittest import mock
+
+from ...session.incoming import Incoming
+from ...session.outgoing import Outgoing
+from ...session.pairs import Pairs
+from ...session.protocol import Protocol
+from . import run
+from .config import FAULTS, Config
+from .invariants import Violation
+
+
+@dataclass(frozen=True)
+class Edit:
+    target: type
+    method: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    defect: str  # what it puts back (a row of docs/reliability.md, or a classic)
+    edits: tuple[Edit, ...]
+    faults: frozenset[str] = FAULTS  # the schedules that may show it
+    config: tuple[tuple[str, object], ...] = ()  # and their shape, over ``Config()``
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for e in self.edits:
+                func = getattr(e.target, e.method)
+                source = textwrap.dedent(inspect.getsource(func))
+                if source.count(e.old) != 1:
+                    raise ValueError(
+                        f"{self.name}: {e.target.__name__}.{e.method} no longer "
+                        f"holds {e.old!r} once"
+                    )
+                line = source[: source.index(e.old)].rsplit("\n", 1)[-1]  # its indentation
+                mutant = source.replace(e.old, e.new.replace("\n", "\n" + line))
+                code = compile(mutant, inspect.getsourcefile(func) or "?", "exec")
+                space: dict[str, object] = {}
+                exec(code, func.__globals__, space)  # the mutant, on purpose
+                stack.enter_context(mock.patch.object(e.target, e.method, space[e.method]))
+            yield
+
+
+MUTATIONS = (
+    Mutation(
+        "abort-any-place",
+        "1: an Abort or Fail acts on any place, not only the one its connection claimed",
+        (
+            Edit(
+                Outgoing,
+                "remote_fail",
+                "if rec is None or dst is None or dst.gen != msg.gen:",
+                "if rec is None:",
+            ),
+        ),
+    ),
+    Mutation(
+        "fail-poisons-offer",
+        "2: a bare Fail for an id not offered yet fails the later offer",
+        (
+            Edit(
+                Outgoing,
+                "remote_fail",
+                "if rec is None or dst is None or dst.gen != msg.gen:",
+                "if rec is None and isinstance(msg, wire.Fail):\n"
+                "    self._early_failure(msg.rid, RequestError(msg.text, stage=msg.stage,"
+                " request_id=msg.rid))\n"
+                "    return\n"
+                "if rec is None or dst is None or dst.gen != msg.gen:",
+            ),
+        ),
+    ),
+    Mutation(
+        "endpoint-of-a-live-pair",
+        "4, 5: a Hello naming a live pair's endpoint is accepted",
+        (
+            Edit(
+                Pairs,
+                "hello",
+                "if driver == self.s.driver_name or holder is not None:",
+                "if driver == self.s.driver_name:",
+            ),
+        ),
+        FAULTS | {"impersonate"},
+    ),
+    Mutation(
+        "trust-declared-driver",
+        "classic: the driver address a Hello declares is believed, not its endpoint's",
+        (
+            Edit(
+                Pairs,
+                "hello",
+                'driver = f"{msg.backend}:{endpoint_address(msg.endpoint)}"',
+                'driver = f"{msg.backend}:{msg.driver_address}"',
+            ),
+        ),
+        FAULTS | {"impersonate"},
+    ),
+    Mutation(
+        "failed-before-the-fence",
+        "7: FAILED is said at once, not after the sources' AbortAck",
+        (
+            Edit(
+                Incoming,
+                "fail",
+                "rec.drain_until = now + drain + self.s.dead_after_s",
+                "rec.drain_until = now + drain + self.s.dead_after_s\nrec.acks.clear()",
+            ),
+        ),
+    ),
+    Mutation(
+        "no-pause-check",
+        "8: a prefill rank that was stopped past dead_after_s writes on",
+        (
+            Edit(
+                Protocol,
+                "_enter",
+                "if gap > self.s.dead_after_s - self.s.heartbeat_s and self.pairs.downs:",
+                "if False:",
+            ),
+        ),
+        config=(("max_pause_s", 40.0),),  # past the drain bound by more
+    ),
+    Mutation(
+        "completion-counted-twice",
+        "classic: one completion counts as two",
+        (Edit(Incoming, "completed", "src.seen += 1", "src.seen += 2"),),
+    ),
+    Mutation(
+        "no-request-deadline",
+        "classic: requests wait for their peers without a deadline",
+        (
+            Edit(Incoming, "tick", "if rec.error is None and now > rec.deadline:", "if False:"),
+            Edit(Outgoing, "tick", "elif now > rec.deadline:", "elif False:"),
+        ),
+    ),
+    Mutation(
+        "no-drain-bound",
+        "7: a failing request waits for a silent source's AbortAck forever",
+        (
+            Edit(
+                Incoming,
+                "tick",
+                "elif rec.error is not None and now > rec.drain_until:",
+                "elif False:",
+            ),
+        ),
+    ),
+    Mutation(
+        "refused-pair-fails-any-place",
+        "found by the simulator: a refused pair's Request fails a place another claimed",
+        (
+            Edit(
+                Outgoing,
+                "request",
+                "mine = rec is None or (down.place.pp_rank, down.place.tp_rank) not in rec.dsts",
+                "mine = True",
+            ),
+        ),
+    ),
+    Mutation(
+        "close-says-failed-at-once",
+        "found by the simulator: close() says FAILED before the sources stopped writing",
+        (
+            Edit(
+                Protocol,
+                "close",
+                'self.incoming.fail(rec, "closed", why, None, now)',
+                'self.incoming.fail(rec, "closed", why, None, now)\n'
+                "rec.acks.clear()\nself.incoming.settle(rec)",
+            ),
+        ),
+        config=(("close_p", 0.3),),  # Sessions closed often, writes in flight
+    ),
+)
+
+OUTSIDE = {
+    "3: a Fail from a prefill rank the request never named": "every simulated request names "
+    "every prefill rank; test_protocol_core.py::test_a_sources_fail_counts_only_for_requests_"
+    "that_named_it",
+    "6: a fake prefill's Welcome steals completions": "the hostile peer is never a prefill "
+    "rank; test_protocol_core.py::test_a_welcome_naming_a_driver_address_a_live_pair_holds_is_"
+    "refused",
+    "9, 10: memory held for unoffered requests or refused Hellos": "bytes per message are not "
+    "modelled (tables are: invariant 6); test_session_bounds.py",
+    "11: a thread per Hello; the pair cap": "a flood of 40 stays under MAX_PAIRS; "
+    "test_protocol_core.py::test_hellos_beyond_the_pair_cap_are_refused_and_keep_nothing",
+    "12: a Session never reclaimed": "no garbage collector; test_session_stale.py",
+    "13: rosters": "group bootstrap is not simulated; test_protocol_core.py::test_the_roster_"
+    "admits_only_what_fits_the_group",
+    "14: a refused Curve key": "no sockets; test_session_failures.py",
+    "15: a reconnecting decode rank refused": "a refusal is a failure, not a violation; "
+    "test_protocol_core.py::test_a_decode_rank_reconnecting_after_it_lost_the_pair_is_welcomed_"
+    "again",
+    "releasing staging before the last round": "staging is not simulated (every route is "
+    "direct); test_session_staged.py",
+}
+"""Defects the simulator does not model, and where each is tested instead."""
+
+
+@dataclass(frozen=True)
+class Hunt:
+    mutation: Mutation
+    schedules: int  # run until the first violation (or the budget)
+    violation: Violation | None
+
+
+def hunt(mutation: Mutation, budget: int, config: Config | None = None) -> Hunt:
+    """Run seeds 0, 1, ... under ``mutation`` until one violates an invariant."""
+    base = config or Config()
+    config = Config(**{**base.__dict__, **dict(mutation.config), "faults": mutation.faults})
+    with mutation.applied():
+        for seed in range(budget):
+            result = run(seed, config)
+            if result.violations:
+                return Hunt(mutation, seed + 1, result.violations[0])
+    return Hunt(mutation, budget, None)

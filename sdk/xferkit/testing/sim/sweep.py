@@ -1,0 +1,58 @@
+"""Many schedules at once: seeds split over worker processes, configurations taken in turn."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from . import run
+from .config import Config
+
+CHUNK = 250
+"""Seeds per task handed to a worker."""
+
+
+@dataclass
+class Sweep:
+    schedules: int = 0
+    simulated_s: float = 0.0
+    violations: list[str] = field(default_factory=list)  # the first of each failing schedule
+
+
+def _chunk(first: int, count: int, configs: Sequence[Config]) -> Sweep:
+    out = Sweep()
+    for seed in range(first, first + count):
+        result = run(seed, configs[seed % len(configs)])
+        out.schedules += 1
+        out.simulated_s += result.simulated_s
+        if result.violations:
+            out.violations.append(str(result.violations[0]))
+    return out
+
+
+def sweep(first: int, count: int, configs: Sequence[Config], workers: int = 1) -> Sweep:
+    """Seeds ``first .. first + count``, seed ``s`` under ``configs[s % len(configs)]``."""
+    total = Sweep()
+    parts = [(s, min(CHUNK, first + count - s)) for s in range(first, first + count, CHUNK)]
+    if workers <= 1:
+        done = [_chunk(s, n, configs) for s, n in parts]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = list(pool.map(_chunk, *zip(*parts, strict=True), [configs] * len(parts)))
+    for part in done:
+        total.schedules += part.schedules
+        total.simulated_s += part.simulated_s
+        total.violations += part.violations
+    return total
+
+
+MIX = (
+    *[Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=30.0)] * 8,
+    Config(prefill_tp=1, decode_tp=2, requests=3, arrivals_s=30.0),
+    Config(prefill_tp=2, decode_tp=1, requests=3, arrivals_s=30.0),
+)
+"""The CI budget's configurations: mostly one pair (the cheapest per simulated second), some
+TP; wider shapes run in the hypothesis search, the mutation hunts (2 -> 2) and ``make sim``."""

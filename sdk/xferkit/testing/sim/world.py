@@ -1,0 +1,340 @@
+"""The simulated world: ranks running the real protocol core, one clock, one seeded scheduler.
+
+``World`` owns every rank (prefill and decode TP groups, each rank a
+``Protocol`` with the same settings a Session gives it), a heap of timed
+events, and the parts that stand in for I/O: the network, the driver, the
+engine, a hostile peer and the invariant checker. Every event is one call
+into one rank's core; its actions are carried out at once, exactly as the
+shell does, and the checker runs after it. Time jumps from event to event,
+so a simulated hour takes a second. Everything random comes from the seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import msgspec
+
+from ...driver import CONTRACT_VERSION
+from ...endpoint import Envelope
+from ...session import actions as act
+from ...session import wire
+from ...session.core import DRAIN_S, Settings
+from ...session.protocol import Protocol
+from ..models import gdn_hybrid
+from ..reference import Reference
+from .config import Config
+from .driver import Driver
+from .engine import Engine, Handle
+from .hostile import HOSTILE, Hostile
+from .invariants import Checker, Violation
+from .memory import Memory
+from .network import Network
+from .trace import brief
+
+BACKLOG_S = 0.0005
+"""When, after a rank resumes, its control thread reads what arrived while it was stopped."""
+
+
+@cache
+def reference(prefill_tp: int, decode_tp: int, kv: int, state: int) -> Reference:
+    """One model's memory per shape, reused by every schedule (each allocation scrubs its
+    destination slots, so nothing a schedule left behind can pass for a later write)."""
+    slots = {"kv": kv, "state": state}
+    return Reference(gdn_hybrid(), src_tp=prefill_tp, dst_tp=decode_tp, src_slots=slots,
+                     dst_slots=slots)  # fmt: skip
+
+
+class Rank:
+    """One rank: its memory (from the reference), its current incarnation's core and state."""
+
+    def __init__(self, world: World, name: str, role: str, memory: Memory) -> None:
+        self.w, self.name, self.role, self.memory = world, name, role, memory
+        self.driver_name = f"sim:{name}-drv"
+        self.incarnation = 0
+        self.alive = False
+        self.closing = False
+        self.paused_until = 0.0
+        self.offset = 0.0  # this rank's clock minus the world's
+        self.handles: set[Handle] = set()
+        self.proto: Protocol
+        self.timer_version = 0
+        self.timer_due = -1.0
+
+    def local(self, now: float) -> float:
+        return now + self.offset
+
+    def start(self) -> None:
+        w = self.w
+        self.incarnation += 1
+        self.alive, self.closing = True, False
+        self.timer_due = -1.0
+        self.handles = set()
+        self.memory.clear()  # a new process: nothing of it is offered yet
+        c = w.config
+        env = Envelope(
+            "sim", CONTRACT_VERSION, "host", 1, f"{self.name}-drv", 1, msgspec.Raw(b"\x90")
+        )
+        settings = Settings(
+            address=self.name,
+            incarnation=w.rng.getrandbits(48),
+            manifest=self.memory.manifest,
+            backend="sim",
+            driver_name=self.driver_name,
+            endpoint=msgspec.msgpack.encode(env),
+            fingerprint="sim",
+            notifying=True,
+            heartbeat_s=c.heartbeat_s,
+            dead_after_s=c.dead_after_s,
+            handshake_timeout_s=c.handshake_timeout_s,
+            request_timeout_s=c.request_timeout_s,
+            lease_s=c.lease_s,
+            drain_s=c.drain_s,
+            rng=random.Random(w.rng.getrandbits(64)),
+            clock=lambda: self.local(self.w.now),
+            secret=w.rng.randbytes(16),
+        )
+        self.proto = Protocol(settings)
+        w.apply(self, self.proto.start())
+        w.schedule_timer(self)
+
+
+class World:
+    """One schedule: build it from a seed and a ``Config``, ``run()`` it."""
+
+    def __init__(self, seed: int, config: Config, *, trace: bool = False) -> None:
+        self.seed, self.config = seed, config
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.steps = 0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        self.trace: list[str] | None = [] if trace else None
+        ref = reference(config.prefill_tp, config.decode_tp, config.kv_slots, config.state_slots)
+        self.ref = ref
+        self.prefill = [f"P{i}" for i in range(config.prefill_tp)]
+        self.decode = [f"D{i}" for i in range(config.decode_tp)]
+        self.ranks: dict[str, Rank] = {}
+        self.claims: dict[tuple[str, str], set[str]] = {}  # (prefill, rid) -> who claimed first
+        for i, name in enumerate(self.prefill):
+            self.ranks[name] = Rank(self, name, "prefill", Memory(ref.srcs[i], "src"))
+        for i, name in enumerate(self.decode):
+            self.ranks[name] = Rank(self, name, "decode", Memory(ref.dsts[i], "dst"))
+        self.net = Network(self)
+        self.driver = Driver(self)
+        self.engine = Engine(self)
+        self.check = Checker(self)
+        self.hostile = Hostile(self) if "hostile" in config.faults else None
+
+    # -- the scheduler ----------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
+
+    def to(self, rank: Rank, t: float, method: str, *args: Any) -> None:
+        """A call into ``rank``'s current core at ``t`` (later if it is stopped then; never, if
+        its process is gone by then)."""
+        self.at(t, self._to, rank, rank.incarnation, method, args)
+
+    def _to(self, rank: Rank, inc: int, method: str, args: tuple[Any, ...]) -> None:
+        if rank.incarnation != inc or not rank.alive:
+            return
+        if rank.paused_until > self.now:
+            self.at(rank.paused_until + BACKLOG_S, self._to, rank, inc, method, args)
+            return
+        self.call(rank, method, *args)
+
+    def resumed(self, rank: Rank) -> float:
+        """When a stopped rank's engine thread or data-plane worker runs again: before or
+        after its control thread reads the backlog (``BACKLOG_S``), as threads race."""
+        return rank.paused_until + self.rng.uniform(0.0, 2 * BACKLOG_S)
+
+    def deliver(self, rank: Rank, conn: tuple, msg: wire.Message) -> None:
+        if rank.paused_until > self.now:
+            t = rank.paused_until + BACKLOG_S
+            self.at(t, self._to, rank, rank.incarnation, "receive", (conn, msg))
+            return
+        self.call(rank, "receive", conn, msg)
+
+    def call(self, rank: Rank, method: str, *args: Any) -> None:
+        """One event into ``rank``'s core, at its own clock; its actions are carried out."""
+        if self.trace is not None:
+            self.trace.append(f"{self.now:12.6f} {rank.name}#{rank.incarnation} {method}"
+                              f" {brief(args)}")  # fmt: skip
+        if (
+            method == "receive"
+            and isinstance(args[1], wire.Request)
+            and args[0][1].startswith(HOSTILE.encode())
+        ):
+            self.hostile_first(rank, args[0][1], args[1].rid)
+        actions = getattr(rank.proto, method)(*args, rank.local(self.now))
+        self.apply(rank, actions)
+        self.schedule_timer(rank)
+        if method == "receive" or self.steps % 64 == 0:
+            self.check.bounds(rank)
+
+    def hostile_first(self, rank: Rank, ident: bytes, rid: str) -> None:
+        """Note that the hostile peer's Request for ``rid`` reaches ``rank`` before an honest
+        decode rank holds the place it claims there: it may then fail the request (claiming
+        first is what a trusted key allows; invariant 7)."""
+        down = rank.proto.pairs.downs.get(ident)
+        if down is None:
+            return
+        rec = rank.proto.outgoing.sends.get(rid)
+        holder = None if rec is None else rec.dsts.get((down.place.pp_rank, down.place.tp_rank))
+        if holder is None or holder.down.ident == ident:
+            self.claims.setdefault((rank.name, rid), set()).add(HOSTILE)
+
+    def schedule_timer(self, rank: Rank) -> None:
+        """The shell runs the core's timer by its deadlines, and often enough that the clock
+        never looks stopped to the core (``Protocol._enter``); a timer already due sooner is
+        kept (it runs, finds nothing due, and asks again)."""
+        if self.now <= rank.timer_due <= self.now + rank.proto.tick_s:
+            return  # due within the shell's own tick: it asks again then
+        c = self.config
+        local = rank.local(self.now)
+        due = min(rank.proto.deadlines(), local + (c.dead_after_s - c.heartbeat_s) / 2)
+        due = max(due, rank.proto.next_deadline()) - rank.offset  # at most once a tick
+        if self.now <= rank.timer_due <= due:
+            return
+        rank.timer_due = due
+        rank.timer_version += 1
+        self.at(due, self._timer, rank, rank.incarnation, rank.timer_version)
+
+    def _timer(self, rank: Rank, inc: int, version: int) -> None:
+        if version == rank.timer_version and rank.incarnation == inc and rank.alive:
+            if rank.paused_until > self.now:
+                self.at(rank.paused_until + BACKLOG_S, self._timer, rank, inc, version)
+            else:
+                rank.timer_due = -1.0
+                self.call(rank, "timer")
+
+    # -- carrying out a core's actions (what the shell does) ---------------------------
+
+    def apply(self, rank: Rank, actions: list[act.Action]) -> None:
+        for a in actions:
+            if isinstance(a, act.Send):
+                self.net.send(rank, a.conn, a.msg)
+            elif isinstance(a, act.Open):
+                self.net.open(rank, a.conn)
+            elif isinstance(a, act.Close):
+                self.net.close(rank, a.conn, a.linger_ms)
+            elif isinstance(a, act.Connect):
+                self.driver.connect(rank, a)
+            elif isinstance(a, act.Post):
+                self.driver.post(rank, a)
+            elif isinstance(a, act.Cancel):
+                self.driver.cancel(rank, a.wid)
+            elif isinstance(a, act.Move | act.Failing | act.Failed | act.Done | act.Finished):
+                if self.trace is not None and isinstance(a, act.Failing | act.Failed | act.Done):
+                    h = a.handle
+                    why = "" if isinstance(a, act.Done) else f": {a.error}"
+                    self.trace.append(f"{'':12} -> {type(a).__name__} <{h.side} {h.request_id}"
+                                      f" use {h.use.serial}>{why}")  # fmt: skip
+                h = self.check.told(rank, a)
+                if h is not None and h.terminal:
+                    self.engine.ended(h)
+
+    # -- process faults ----------------------------------------------------------------
+
+    def crash(self, name: str) -> None:
+        rank = self.ranks[name]
+        if not rank.alive:
+            return
+        self._gone(rank)
+        self.at(self.now + self.rng.uniform(0.1, 10.0), self.restart, name)
+
+    def restart(self, name: str) -> None:
+        rank = self.ranks[name]
+        if not rank.alive:
+            rank.start()
+            self.net.back(rank)
+
+    def _gone(self, rank: Rank, graceful: bool = False) -> None:
+        if self.trace is not None:
+            self.trace.append(f"{self.now:12.6f} {rank.name}#{rank.incarnation} gone")
+        self.net.gone(rank, graceful)
+        self.driver.gone(rank)
+        rank.alive = False
+        rank.paused_until = 0.0
+        for h in list(rank.handles):
+            if not h.terminal:
+                self.engine.settle(h.use, h.rank)
+        rank.handles = set()
+        rank.memory.clear()
+
+    def close_rank(self, name: str) -> None:
+        """The engine closes the rank's Session: ``close``; the writes end and the sources
+        confirm (up to the shell's ``DRAIN_S``); ``goodbye``."""
+        rank = self.ranks[name]
+        if not rank.alive or rank.closing:
+            return
+        if rank.paused_until > self.now:
+            self.at(self.resumed(rank), self.close_rank, name)
+            return
+        rank.closing = True
+        self.call(rank, "close", "closed by the engine")
+        self.at(self.now + 0.01, self._goodbye, rank, rank.incarnation, self.now + DRAIN_S)
+
+    def _goodbye(self, rank: Rank, inc: int, give_up: float) -> None:
+        if rank.incarnation != inc or not rank.alive:
+            return
+        busy = self.driver.pending(rank) or rank.proto.draining()
+        if rank.paused_until > self.now or (busy and self.now < give_up):
+            self.at(max(rank.paused_until, self.now + 0.05), self._goodbye, rank, inc, give_up)
+            return
+        self.apply(rank, rank.proto.goodbye("closed by the engine"))
+        self._gone(rank, graceful=True)
+        self.at(self.now + self.rng.uniform(0.1, 5.0), self.restart, rank.name)
+
+    def pause(self, name: str, seconds: float) -> None:
+        rank = self.ranks[name]
+        if rank.alive:
+            rank.paused_until = max(rank.paused_until, self.now + seconds)
+
+    def jump(self, name: str, seconds: float) -> None:
+        self.ranks[name].offset += seconds
+
+    # -- a whole schedule ---------------------------------------------------------------
+
+    def faults(self) -> None:
+        c, rng = self.config, self.rng
+        names = [*self.prefill, *self.decode]
+        end = c.arrivals_s + 10.0
+        for _ in range(rng.randint(0, 3)):
+            t, name = rng.uniform(0, end), rng.choice(names)
+            kind = rng.choice(sorted({"pause", "crash", "clock", "partition"} & c.faults) or [""])
+            if kind == "pause":
+                self.at(t, self.pause, name, rng.uniform(0.01, c.max_pause_s))
+            elif kind == "crash":
+                self.at(t, self.crash, name)
+            elif kind == "clock":
+                self.at(t, self.jump, name, rng.uniform(0.01, 8.0))
+            elif kind == "partition":
+                a, b = rng.choice(self.prefill), rng.choice(self.decode)
+                self.at(t, self.net.partition, a, b, t + rng.uniform(0.1, 12.0))
+
+    def run(self) -> list[Violation]:
+        logging.getLogger("xferkit.session").disabled = True
+        for rank in self.ranks.values():
+            rank.start()
+        self.engine.start()
+        self.faults()
+        if self.hostile is not None:
+            self.hostile.start()
+        while self._heap and self.steps < self.config.max_steps:
+            t, _, fn, args = heapq.heappop(self._heap)
+            self.now = t
+            self.steps += 1
+            fn(*args)
+            self.check.step()
+            if self.check.quiet():
+                break
+        self.check.finish()
+        return self.check.violations
