@@ -30,7 +30,7 @@ def speeds(seeds: int) -> list[dict[str, Any]]:
         wall = time.perf_counter() - began
         rows.append({
             "config": f"{config.prefill_tp}->{config.decode_tp}, {config.requests} requests, "
-                      f"heartbeat {config.heartbeat_s:g} s",
+                      f"staging {config.staging}",
             "schedules_per_s": seeds / wall,
             "simulated_per_wall": simulated / wall,
             "steps_per_schedule": steps / seeds,

@@ -102,14 +102,17 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     faults=FAULT_SETS,
     heartbeat=st.sampled_from([0.5, 1.0, 2.0]),
     dead_after=st.integers(3, 8),
+    staging=st.sampled_from(["never", "auto", "always"]),
+    staging_bytes=st.sampled_from([1 << 14, 1 << 16]),
 )
 def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
     seed: int, prefill: int, decode: int, requests: int, faults: frozenset[str],
-    heartbeat: float, dead_after: int,
+    heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, decode_tp=decode, requests=requests, faults=faults,
-        heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after,
+        heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after, staging=staging,
+        staging_bytes=staging_bytes,
     )  # fmt: skip
     result = run(seed, config)
     assert result.violations == [], f"replay: run({seed}, {config})"

@@ -15,6 +15,7 @@ needs it after a bounded exponential backoff: never a permanent blacklist.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import random
 from dataclasses import dataclass
@@ -31,6 +32,19 @@ from .core import MAX_PAIRS, Out, Settings, log
 from .states import PairEvent
 
 _RNG = random.Random()
+CACHED = 256 << 10
+"""Manifests up to this size are decoded once for every pair that sends the same bytes (the
+ranks of a group, reconnects): a handshake's largest cost after its plan."""
+
+
+@functools.lru_cache(maxsize=16)
+def _decoded(data: bytes) -> Manifest:
+    return Manifest.decode(data)
+
+
+def decoded(data: bytes) -> Manifest:
+    """A peer's manifest (ManifestError for a malformed one, each time it is sent)."""
+    return _decoded(data) if len(data) <= CACHED else Manifest.decode(data)
 
 
 class Up:
@@ -190,7 +204,7 @@ class Pairs:
             return (msg.stage or "handshake", msg.error)
         try:
             driver = f"{msg.backend}:{endpoint_address(msg.endpoint)}"
-            up.manifest = Manifest.decode(msg.manifest)
+            up.manifest = decoded(msg.manifest)
         except (ProtocolError, ManifestError) as exc:
             return ("handshake", f"{up.address} sent a malformed introduction: {exc}")
         holder = self.by_driver.get(driver)
@@ -254,7 +268,7 @@ class Pairs:
             del self.downs[ident]
             return None
         try:
-            manifest = Manifest.decode(msg.manifest)
+            manifest = decoded(msg.manifest)
             down.plan = plan(self.s.manifest, manifest)
             if self.s.staging in FORCE:
                 down.staged = stage(

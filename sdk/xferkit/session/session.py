@@ -64,7 +64,7 @@ def _abandoned(shell: Shell, backend: Backend, address: str) -> None:
 
 
 def _stop(shell: Shell, backend: Backend, why: str, timeout: float) -> None:
-    shell.submit(("close", why))
+    shell.submit(("close", why, max(timeout - 1.0, 0.0)))  # drains, leaving time to tear down
     if not shell.join(timeout):
         log.warning("%s: the control thread did not stop within %s s", shell.where, timeout)
         shell.join(1.0)

@@ -1,14 +1,12 @@
 """The I/O shell: the only code that touches ZMQ, and the control thread that runs it.
 
-One ROUTER (bound: decode ranks, group members and roster lookups connect to
-it), one DEALER per connection the core opens, each with a socket monitor
-(a refused Curve key, a peer whose connection closed), and a socketpair the
-engine's threads and the data plane use to wake the loop. The loop sleeps
-until a socket, a command or the core's next deadline; it feeds each event to
-the core (``Protocol``) and carries out the actions it returns: messages to
-sockets, driver work to the data-plane worker (``DataPlane``), state to the
-engine's handles. It never calls the driver itself, except to drain
-notifications.
+One ROUTER (decode ranks, group members and roster lookups connect to it), one
+DEALER per connection the core opens, each with a socket monitor (a refused
+Curve key, a closed peer), and a socketpair that wakes the loop. The loop
+sleeps until a socket, a command or the core's next deadline, feeds each event
+to the core (``Protocol``) and carries out its actions: messages to sockets,
+driver work to the data-plane worker (``DataPlane``), state to the engine's
+handles. It never calls the driver itself, except to drain notifications.
 """
 
 from __future__ import annotations
@@ -203,23 +201,26 @@ class Shell:
             kind, args = cmd[0], cmd[1:]
             now = time.monotonic()
             if kind == "close":
-                self._close(args[0])
+                self._close(*args)
                 return True
             try:
                 self._apply(getattr(p, kind)(*args, now))
             except Exception:
                 log.exception("%s: command %s failed", self.where, kind)
 
-    def _close(self, why: str) -> None:
+    def _close(self, why: str, drain_s: float = DRAIN_S) -> None:
         p = self.protocol
         assert p is not None
-        self._until = math.inf  # every command left runs now
         self._apply(p.close(why, time.monotonic()))
         self._flush()
-        limit = time.monotonic() + DRAIN_S
+        limit = time.monotonic() + min(drain_s, DRAIN_S)
         while (self.data.busy or self.commands or p.draining()) and time.monotonic() < limit:
-            self._pass(0.002)  # writes end, sources confirm their aborts
-        self._until = math.inf
+            try:
+                self._pass(0.002)  # writes end, sources confirm their aborts
+            except Exception:  # closing after a crash: say goodbye all the same
+                log.exception("%s: while closing", self.where)
+                break
+        self._until = math.inf  # every command left runs now
         self._run_commands()
         self._flush()
         self._apply(p.goodbye(why))
@@ -364,9 +365,8 @@ class Shell:
             elif (sock := self._socks.get(conn)) is not None:
                 sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning(
-                "%s: cannot send %s to %s: %s", self.where, type(msg).__name__, conn[1], exc
-            )
+            log.warning("%s: cannot send %s to %s: %s", self.where, type(msg).__name__,
+                        conn[1], exc)  # fmt: skip
 
     def _open(self, conn: act.Conn) -> None:
         sock = sockets.dealer(self.ctx, conn[1], self.keys, self.reconnect)

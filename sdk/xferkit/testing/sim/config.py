@@ -41,10 +41,14 @@ class Config:
     decode_tp: int = 2
     requests: int = 6
     arrivals_s: float = 20.0  # requests arrive within this many simulated seconds
+    hostile_acts: int = 12  # the most bursts the hostile peer sends ("hostile")
     abort_p: float = 0.15  # the chance a request is aborted by one of its ranks ("abort")
     close_p: float = 0.03  # the chance a request's start sees a rank's Session closed ("close")
     max_pause_s: float = 25.0  # past the drain bound (drain_s + dead_after_s) on purpose
     faults: frozenset[str] = field(default=FAULTS)
+    staging: str = "auto"  # the Session's default: the cost model picks each chunk's route
+    staging_bytes: int = 1 << 14  # per rank: two requests' slices, so requests queue for it
+    slice_bytes: int = 1 << 13
     kv_slots: int = 16
     state_slots: int = 8
     heartbeat_s: float = 1.0
@@ -56,6 +60,8 @@ class Config:
     max_steps: int = 200_000
 
     def __post_init__(self) -> None:
+        if self.staging not in ("never", "auto", "always"):
+            raise ValueError(f"staging {self.staging!r}: never, auto or always")
         unknown = set(self.faults) - FAULTS - HARSH
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS | HARSH)}")

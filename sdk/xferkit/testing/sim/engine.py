@@ -130,17 +130,27 @@ class Engine:
         self.w.check.opened(h)
         return h
 
-    def _expect(self, use: Use, name: str) -> None:
+    def _first(self, use: Use, name: str, side: str) -> tuple[Rank, Handle] | None:
+        """A rank's first call of ``use`` (later if its process is stopped; never, if that
+        process or Session is gone): its handle, its slots offered from now on."""
         rank = self.w.ranks[name]
         if rank.paused_until > self.w.now and rank.alive:
-            self.w.at(self.w.resumed(rank), self._expect, use, name)
-            return
-        h = self._handle(use, rank, "decode")
+            again = self._expect if side == "decode" else self._offer
+            self.w.at(self.w.resumed(rank), again, use, name)
+            return None
+        h = self._handle(use, rank, side)
         if h is None:
             self.settle(use, name)
-            return
-        h.states.append(State.HANDSHAKING)
+            return None
+        h.states.append(State.HANDSHAKING if side == "decode" else State.WAITING)
         rank.memory.offered(use)
+        return rank, h
+
+    def _expect(self, use: Use, name: str) -> None:
+        got = self._first(use, name, "decode")
+        if got is None:
+            return
+        rank, h = got
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in use.dst.items()}
         self.w.call(rank, "expect", h, use.rid, tuple(self.w.prefill), arrays, 1)
         rec = rank.proto.incoming.recvs.get(use.rid)
@@ -148,16 +158,10 @@ class Engine:
             rank.memory.serials[use.rid, rec.gen] = use.serial
 
     def _offer(self, use: Use, name: str) -> None:
-        rank = self.w.ranks[name]
-        if rank.paused_until > self.w.now and rank.alive:
-            self.w.at(self.w.resumed(rank), self._offer, use, name)
+        got = self._first(use, name, "prefill")
+        if got is None:
             return
-        h = self._handle(use, rank, "prefill")
-        if h is None:
-            self.settle(use, name)
-            return
-        h.states.append(State.WAITING)
-        rank.memory.offered(use)
+        rank, h = got
         self.w.call(rank, "offer", h, use.rid)
         t = self.w.now
         for i, chunk in enumerate(use.chunks):

@@ -39,7 +39,7 @@ class Hostile:
 
     def start(self) -> None:
         rng, c = self.w.rng, self.w.config
-        for _ in range(rng.randint(1, 12)):
+        for _ in range(rng.randint(1, c.hostile_acts)):
             self.w.at(rng.uniform(0.0, c.arrivals_s + 5.0), self.act)
 
     def act(self) -> None:

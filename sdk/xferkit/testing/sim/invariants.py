@@ -80,20 +80,26 @@ class Checker:
     def landing(self, wr: Write, descs: Descriptors, late: bool) -> None:
         dec, pre = self.w.ranks[wr.peer[1]], self.w.ranks[wr.pre]
         tag = wr.tag
-        serial = -1 if tag is None else dec.memory.serials.get((tag.rid, tag.gen), -1)
+        key = ("", -1) if tag is None else (tag.rid, tag.gen)
+        serial = dec.memory.serials.get(key, -1)
         how = " (landing after its write was reported ended)" if late else ""
-        rid = "?" if tag is None else tag.rid
-        bad = dec.memory.foreign(descs.dst, descs.nbytes, serial)
+        staged = dec.memory.in_staging(descs.dst)
+        slots = ~staged
+        bad = dec.memory.foreign(descs.dst[slots], descs.nbytes[slots], serial)
+        if staged.any():
+            bad = bad or dec.memory.foreign_staging(descs.dst[staged], descs.nbytes[staged], key)
         if bad is not None:
             self.violate(
                 1,
-                f"a write of {rid!r} (use {serial}) from {pre.name} landed in "
-                f"{dec.name}'s {bad}{how}",
+                f"a write of {key[0]!r} (use {serial}) from {pre.name} landed in {dec.name}'s "
+                f"{bad}{how}",
             )
-        bad = pre.memory.foreign(descs.src, descs.nbytes, serial)
+        read = ~pre.memory.in_staging(descs.src)  # its own staging is its core's to manage
+        bad = pre.memory.foreign(descs.src[read], descs.nbytes[read], serial)
         if bad is not None:
             self.violate(
-                1, f"a write of {rid!r} (use {serial}) to {dec.name} read {pre.name}'s {bad}{how}"
+                1,
+                f"a write of {key[0]!r} (use {serial}) to {dec.name} read {pre.name}'s {bad}{how}",
             )
 
     # -- 3, 4, 5: what handles are told -------------------------------------------------

@@ -1,9 +1,11 @@
 """A rank's memory as the checker sees it: whose use each slot is offered to, right now.
 
 The bytes are the reference model's (real arrays, real addresses: the simulated driver
-copies them); beside them, per pool, the use each slot is offered to (0: none), set when
-the rank's engine calls ``expect`` or ``offer`` and cleared when its handle is terminal.
-A write is checked against this at the moment it lands (invariant 1).
+copies them) and a staging buffer after them, as a Session registers one; beside them, per
+pool, the use each slot is offered to (0: none), set when the rank's engine calls
+``expect`` or ``offer`` and cleared when its handle is terminal, and the staging slices each
+claim's ``Request`` offered a source. A write is checked against these at the moment it
+lands (invariant 1).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...session.rounds import Staging
 from ..reference import Rank
 
 if TYPE_CHECKING:
@@ -22,9 +25,14 @@ UNWRITTEN = 0xA5
 
 
 class Memory:
-    def __init__(self, rank: Rank, side: str) -> None:
-        self.arrays, self.manifest, self.side = rank.arrays, rank.manifest, side
-        m = rank.manifest
+    def __init__(self, rank: Rank, side: str, staging_bytes: int) -> None:
+        self.arrays, self.side = rank.arrays, side
+        self.staging = Staging(rank.manifest, staging_bytes)  # the Session's, after the regions
+        self.manifest = self.staging.manifest
+        base = int(self.staging.buffer.ctypes.data) if staging_bytes else 0
+        self.staged_at = (base, base + staging_bytes)
+        self.offers: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (rid, gen) -> slices
+        m = self.regions = rank.manifest  # the engine's
         self.pools = sorted(m.pools)
         self.region_addr = m.addrs.astype(np.int64)
         self.region_slot = np.array([r.slot_nbytes for r in m], dtype=np.int64)
@@ -36,6 +44,15 @@ class Memory:
         for o in self.owner:
             o[:] = 0
         self.serials.clear()
+        self.offers.clear()
+
+    def offer_staging(self, rid: str, gen: int, start: int, nbytes: int) -> None:
+        """A decode rank's Request offered a source ``[start, +nbytes)`` of its staging: from
+        now on that slice is this claim's alone (whoever held it before lost it)."""
+        end = start + nbytes
+        for ranges in self.offers.values():
+            ranges[:] = [(a, b) for a, b in ranges if b <= start or a >= end]
+        self.offers.setdefault((rid, gen), []).append((start, end))
 
     def scrub(self, slots: dict[str, list[int]]) -> None:
         for key, array in self.arrays.items():
@@ -56,10 +73,30 @@ class Memory:
             o[got] = np.where(o[got] == serial, 0, o[got])
         for key in [k for k, v in self.serials.items() if v == serial]:
             del self.serials[key]
+            self.offers.pop(key, None)
+
+    def foreign_staging(
+        self, addrs: np.ndarray, nbytes: np.ndarray, key: tuple[str, int]
+    ) -> str | None:
+        """Where a write of claim ``key`` lands in staging outside the slices it was offered."""
+        ranges = self.offers.get(key, [])
+        end = addrs + nbytes
+        inside = np.zeros(addrs.size, dtype=bool)
+        for a, b in ranges:
+            inside |= (addrs >= a) & (end <= b)
+        if inside.all():
+            return None
+        i = int(np.flatnonzero(~inside)[0])
+        at = int(addrs[i]) - self.staged_at[0]
+        return f"staging at +{at} (+{int(nbytes[i])}), not offered to it"
+
+    def in_staging(self, addrs: np.ndarray) -> np.ndarray:
+        lo, hi = self.staged_at
+        return (addrs >= lo) & (addrs < hi)
 
     def foreign(self, addrs: np.ndarray, nbytes: np.ndarray, serial: int) -> str | None:
         """Where bytes ``[addrs, +nbytes)`` touch a slot not held by use ``serial``, or None."""
-        where = self.manifest.locate(addrs, nbytes)
+        where = self.regions.locate(addrs, nbytes)
         if (where < 0).any():
             i = int(np.flatnonzero(where < 0)[0])
             return f"{int(addrs[i]):#x} (+{int(nbytes[i])}) outside every region"

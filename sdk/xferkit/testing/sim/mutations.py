@@ -168,6 +168,19 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "staging-released-while-failing",
+        "classic: a failing request's staging goes back before its sources stopped writing",
+        (
+            Edit(
+                Incoming,
+                "fail",
+                "self.out.failing(rec.handle, rec.error)",
+                "self.out.failing(rec.handle, rec.error)\nself._release_slices(rec)",
+            ),
+        ),
+        config=(("requests", 10),),  # more requests than staging: they queue for slices
+    ),
+    Mutation(
         "refused-pair-fails-any-place",
         "found by the simulator: a refused pair's Request fails a place another claimed",
         (
@@ -213,8 +226,6 @@ OUTSIDE = {
     "15: a reconnecting decode rank refused": "a refusal is a failure, not a violation; "
     "test_protocol_core.py::test_a_decode_rank_reconnecting_after_it_lost_the_pair_is_welcomed_"
     "again",
-    "releasing staging before the last round": "staging is not simulated (every route is "
-    "direct); test_session_staged.py",
 }
 """Defects the simulator does not model, and where each is tested instead."""
 

@@ -49,10 +49,15 @@ def sweep(first: int, count: int, configs: Sequence[Config], workers: int = 1) -
     return total
 
 
+ONE_PAIR = Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=30.0, staging="never",
+                  hostile_acts=6)  # fmt: skip
 MIX = (
-    *[Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=30.0)] * 8,
-    Config(prefill_tp=1, decode_tp=2, requests=3, arrivals_s=30.0),
-    Config(prefill_tp=2, decode_tp=1, requests=3, arrivals_s=30.0),
+    *[ONE_PAIR] * 8,
+    Config(prefill_tp=1, decode_tp=2, requests=3, arrivals_s=30.0, hostile_acts=6),
+    Config(
+        prefill_tp=2, decode_tp=1, requests=3, arrivals_s=30.0, staging="always", hostile_acts=6
+    ),
 )
-"""The CI budget's configurations: mostly one pair (the cheapest per simulated second), some
-TP; wider shapes run in the hypothesis search, the mutation hunts (2 -> 2) and ``make sim``."""
+"""The CI budget's configurations: mostly one pair on direct routes (the cheapest per simulated
+second), some staged TP; wider shapes, more hostile bursts and staging contention run in the
+hypothesis search, the mutation hunts (2 -> 2, staged) and ``make sim``."""

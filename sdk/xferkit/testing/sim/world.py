@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from ...copier import CPU
 from ...driver import CONTRACT_VERSION
 from ...endpoint import Envelope
 from ...session import actions as act
@@ -84,6 +85,9 @@ class Rank:
             address=self.name,
             incarnation=w.rng.getrandbits(48),
             manifest=self.memory.manifest,
+            staging=c.staging,
+            arena=self.memory.staging.arena(c.slice_bytes),
+            copier=CPU,  # packs and unpacks in the core's call: no pack worker
             backend="sim",
             driver_name=self.driver_name,
             endpoint=msgspec.msgpack.encode(env),
@@ -122,9 +126,13 @@ class World:
         self.ranks: dict[str, Rank] = {}
         self.claims: dict[tuple[str, str], set[str]] = {}  # (prefill, rid) -> who claimed first
         for i, name in enumerate(self.prefill):
-            self.ranks[name] = Rank(self, name, "prefill", Memory(ref.srcs[i], "src"))
+            self.ranks[name] = Rank(
+                self, name, "prefill", Memory(ref.srcs[i], "src", config.staging_bytes)
+            )
         for i, name in enumerate(self.decode):
-            self.ranks[name] = Rank(self, name, "decode", Memory(ref.dsts[i], "dst"))
+            self.ranks[name] = Rank(
+                self, name, "decode", Memory(ref.dsts[i], "dst", config.staging_bytes)
+            )
         self.net = Network(self)
         self.driver = Driver(self)
         self.engine = Engine(self)
@@ -220,6 +228,9 @@ class World:
     def apply(self, rank: Rank, actions: list[act.Action]) -> None:
         for a in actions:
             if isinstance(a, act.Send):
+                if isinstance(a.msg, wire.Request) and a.msg.staging:  # a slice offered
+                    m = a.msg
+                    rank.memory.offer_staging(m.rid, m.gen, m.staging, m.staging_bytes)
                 self.net.send(rank, a.conn, a.msg)
             elif isinstance(a, act.Open):
                 self.net.open(rank, a.conn)
