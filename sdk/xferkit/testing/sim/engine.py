@@ -67,7 +67,6 @@ class Engine:
             "decode": {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))},
         }
         self.uses: list[Use] = []
-        self.by_serial: dict[int, Use] = {}
         self.retired: list[str] = []  # ids whose last use is terminal everywhere
 
     def start(self) -> None:
@@ -94,7 +93,6 @@ class Engine:
         use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused)
         use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
         self.uses.append(use)
-        self.by_serial[use.serial] = use
         for rank in self.w.decode:
             self.w.ranks[rank].memory.scrub(dst)
         t0 = self.w.now
@@ -114,8 +112,7 @@ class Engine:
 
     def _take(self, side: str, pool: str, n: int) -> list[int]:
         free = self.free[side][pool]
-        got = [free.pop(self.w.rng.randrange(len(free))) for _ in range(n)]
-        return got
+        return [free.pop(self.w.rng.randrange(len(free))) for _ in range(n)]
 
     # -- engine calls, on a rank's current incarnation ----------------------------------
 
