@@ -92,6 +92,10 @@ class Driver:
         if dec is None or not dec.alive or dec.incarnation != wr.peer[2]:
             self.w.at(land, self._end, rank, wr, f"peer {wr.peer} unreachable")
             return
+        if dec.memory.manifest.first_outside(wr.descs.dst, wr.descs.nbytes) >= 0:
+            # The Backend's guard: nothing goes outside what the peer advertised.
+            self.w.at(self.w.now, self._end, rank, wr, "a descriptor lies outside the peer")
+            return
         x = rng.random()
         if "stall" in faults and x < 0.02:
             t = self.w.now + max(a.timeout, 0.0) + rng.uniform(0, 0.5)
