@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from xferkit.copier import CPU
 from xferkit.driver import CONTRACT_VERSION
 from xferkit.endpoint import Envelope
 from xferkit.manifest import Manifest
@@ -21,6 +22,7 @@ from xferkit.session import actions as act
 from xferkit.session import wire
 from xferkit.session.core import Settings
 from xferkit.session.protocol import Protocol
+from xferkit.session.rounds import Staging
 from xferkit.session.states import RequestError, State
 from xferkit.testing import Reference, gdn_hybrid
 
@@ -74,10 +76,22 @@ class Write:
 class Net:
     """Prefill ``pre`` (address P) and decode ``dec`` (address D) cores, wired by hand."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, staging_bytes: int = 0, **kw: Any) -> None:
+        """``staging_bytes``: each side registers that much staging, in slices of a quarter,
+        and stages every chunk (``staging="always"``)."""
         self.ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
-        self.pre = Protocol(settings("P", self.ref.srcs[0].manifest, "p-drv", **kw))
-        self.dec = Protocol(settings("D", self.ref.dsts[0].manifest, "d-drv", **kw))
+        cores = []
+        for address, rank, driver in (
+            ("P", self.ref.srcs[0], "p-drv"),
+            ("D", self.ref.dsts[0], "d-drv"),
+        ):
+            manifest, extra = rank.manifest, dict(kw)
+            if staging_bytes:
+                buffer = Staging(manifest, staging_bytes)
+                manifest = buffer.manifest
+                extra.update(staging="always", arena=buffer.arena(staging_bytes // 4), copier=CPU)
+            cores.append(Protocol(settings(address, manifest, driver, **extra)))
+        self.pre, self.dec = cores
         self.now = 0.0
         self.to_pre: deque[tuple[bytes, wire.Message]] = deque()  # (ident, msg)
         self.to_dec: deque[tuple[str, wire.Message]] = deque()  # (prefill address, msg)

@@ -495,3 +495,28 @@ def test_closing_a_decode_session_says_failed_only_once_its_sources_stopped() ->
     assert late.state is not State.FAILED or late.failing is not None
     net.apply("dec", net.dec.goodbye("closed by the engine"))
     assert not net.dec.draining() and late.state is State.FAILED
+
+
+def test_a_completion_before_the_request_asked_its_source_is_dropped() -> None:
+    """Before (found by the simulator's hostile prefill): a request waiting for staging had
+    its sources chosen but not asked; a ``Written`` from one of them counted, and one with
+    ``total=1`` made it DONE before any byte was written (or its Request sent)."""
+    net = Net(staging_bytes=1 << 14)  # slices of 4 KiB: four requests stage at once
+    net.handshake()
+    handles = [net.expect(f"r{i}", {"kv": [10 + 2 * i, 11 + 2 * i]}) for i in range(5)]
+    net.deliver()
+    last = net.dec.incoming.recvs["r4"]
+    assert last.started and not last.requested  # waiting for staging: P not asked yet
+    forged = wire.Written(rid="r4", gen=last.gen, src_rank=0, seq=0, total=1)
+    net.apply("dec", net.dec.receive(net.dec_conn, forged, net.now))
+    assert handles[4].states == [State.HANDSHAKING]
+    for i in range(5):
+        net.offer(f"r{i}")
+        net.write(f"r{i}", {"kv": [40 + 2 * i, 41 + 2 * i]}, last=True)
+    for _ in range(10):
+        net.finish_all()
+        net.deliver()
+    for h in handles:
+        assert h.state is State.DONE
+        assert h.states == sorted(h.states)  # forward only: WAITING before TRANSFERRING
+        assert State.WAITING in h.states

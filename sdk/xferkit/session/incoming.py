@@ -306,6 +306,12 @@ class Incoming:
                 "%s: late completion of %r from %s: dropped", self.s.address, tag.rid, up.address
             )
             return
+        if up.address not in rec.requested:  # it cannot have written what it was not asked
+            log.warning(
+                "%s: completion of %r from %s before it was asked: dropped",
+                self.s.address, tag.rid, up.address,
+            )  # fmt: skip
+            return
         src = rec.needed.get(up.address)
         if src is None or src.rank != tag.src_rank:
             log.warning(

@@ -49,6 +49,8 @@ class Config:
     staging: str = "auto"  # the Session's default: the cost model picks each chunk's route
     staging_bytes: int = 1 << 14  # per rank: two requests' slices, so requests queue for it
     slice_bytes: int = 1 << 13
+    groups: float = 0.5  # the share of requests naming the prefill instance by its group
+    notifying: bool = True  # the driver carries completions; False: ``Written`` on the socket
     kv_slots: int = 16
     state_slots: int = 8
     heartbeat_s: float = 1.0

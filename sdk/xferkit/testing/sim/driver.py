@@ -37,6 +37,7 @@ class Write:
     note: bytes | None
     landed: bool = False
     cancelled: bool = False
+    started: bool = False  # the worker took it: the driver has it
     ended: bool = False
 
 
@@ -62,7 +63,11 @@ class Driver:
         self.w.to(rank, t, "connected", a.key, ("peer", dec.name, dec.incarnation), 1, "")
 
     def post(self, rank: Rank, a: act.Post) -> None:
-        tag = wire.decode_tag(a.note) if a.note else None
+        if a.note is not None:
+            tag: wire.Tag | None = wire.decode_tag(a.note)
+        else:  # no notification: the checker reads the write's tag from the core
+            got = rank.proto.outgoing.writes.get(a.wid)
+            tag = None if got is None else got[1].pending.get(a.wid)
         wr = Write(a.wid, rank.name, rank.incarnation, a.peer, a.descs, tag, a.note)
         self.writes[rank.name, a.wid] = wr
         t = self.w.now + self.w.rng.uniform(0.000001, 0.0002)  # a hand-off to the worker
@@ -76,12 +81,12 @@ class Driver:
         if rank.paused_until > self.w.now:
             self.w.at(self.w.resumed(rank), self._start, rank, wr, a)
             return
-        if wr.cancelled:
-            self._end(rank, wr, "cancelled before it was posted")
-            return
         if rank.local(self.w.now) - a.made > a.horizon:
             self._end(rank, wr, "refused: the post waited past its horizon")
             return
+        wr.started = True
+        if wr.cancelled:  # a Cancel behind it in the worker's queue: it is posted, then aborted
+            self.w.at(self.w.now, self.cancel, rank, wr.wid)
         rng, faults = self.w.rng, self.w.config.faults
         lat = rng.uniform(0.0001, 0.005) if rng.random() < 0.95 else rng.uniform(0.005, 1.5)
         land = self.w.now + lat
@@ -141,10 +146,14 @@ class Driver:
             self.w.to(rank, self.w.now, "write_ended", wr.wid, error)
 
     def cancel(self, rank: Rank, wid: int) -> None:
+        """The worker aborts the write; one it has not taken yet it takes first (a Cancel
+        queues behind its Post, and a small Post is made inline by the control thread)."""
         wr = self.writes.get((rank.name, wid))
         if wr is None or wr.ended:
             return
         wr.cancelled = True
+        if not wr.started:
+            return
         if not wr.landed:  # the driver lets go soon; a landing racing it may still happen
             t = self.w.now + self.w.rng.uniform(0.0001, 0.01)
             self.w.at(t, self._end, rank, wr, "cancelled")

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...session.roster import GROUP
 from ...session.states import RequestError, State
+from .hostile import PREFILL
 
 if TYPE_CHECKING:
     from .world import Rank, World
@@ -52,6 +54,8 @@ class Use:
     dst: dict[str, list[int]]
     chunks: list[dict[str, list[int]]]
     reused: bool = False
+    decoy: bool = False  # fetched from the hostile prefill: decode ranks only, never written
+    sources: tuple[str, ...] = ()  # what the decode ranks name: the ranks, or their group
     incs: dict[str, int] = field(default_factory=dict)  # rank -> its incarnation at the start
     handles: dict[str, Handle] = field(default_factory=dict)  # rank -> its handle
     settled: set[str] = field(default_factory=set)  # ranks whose part is over
@@ -67,12 +71,31 @@ class Engine:
             "decode": {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))},
         }
         self.uses: list[Use] = []
+        self.decoys: list[Use] = []  # requests the decode ranks fetch from the hostile prefill
         self.retired: list[str] = []  # ids whose last use is terminal everywhere
 
     def start(self) -> None:
         c, rng = self.w.config, self.w.rng
         for i in range(c.requests):
             self.w.at(rng.uniform(0.0, c.arrivals_s), self.begin, i)
+        if "hostile" in c.faults:
+            for i in range(rng.randint(0, 1)):
+                self.w.at(rng.uniform(0.0, c.arrivals_s), self.decoy, i)
+
+    def decoy(self, i: int) -> None:
+        """A request every decode rank fetches from the hostile prefill (an engine told to by
+        a router it trusts): it fails, within its deadlines, and touches nothing else."""
+        if any(len(self.free["decode"][p]) < 1 for p in ("kv", "state")):
+            self.w.at(self.w.now + 1.0, self.decoy, i)
+            return
+        dst = {p: self._take("decode", p, 1) for p in ("kv", "state")}
+        use = Use(100_000 + i, f"x{i}", {}, dst, [], decoy=True, freed={"prefill"})
+        use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
+        self.decoys.append(use)
+        use.settled.update(self.w.prefill)
+        for rank in self.w.decode:
+            self.w.ranks[rank].memory.scrub(dst)
+            self.w.at(self.w.now + self.w.rng.uniform(0, 0.05), self._expect, use, rank)
 
     def begin(self, i: int) -> None:
         rng = self.w.rng
@@ -91,6 +114,8 @@ class Engine:
         chunks = [{"kv": src["kv"][a:b]} for a, b in itertools.pairwise(bounds)]
         chunks[-1]["state"] = src["state"]
         use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused)
+        grouped = rng.random() < self.w.config.groups
+        use.sources = (f"{GROUP}{self.w.prefill[0]}",) if grouped else tuple(self.w.prefill)
         use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
         self.uses.append(use)
         for rank in self.w.decode:
@@ -111,8 +136,12 @@ class Engine:
             self.w.at(t0 + rng.uniform(0.0, 4.0), self.w.close_rank, rank)
 
     def _take(self, side: str, pool: str, n: int) -> list[int]:
-        free = self.free[side][pool]
-        return [free.pop(self.w.rng.randrange(len(free))) for _ in range(n)]
+        """Free slots, half of the time the ones freed last (an engine's free list is a
+        stack: the slots a failed request gave back are the next request's)."""
+        free, rng = self.free[side][pool], self.w.rng
+        if rng.random() < 0.5:
+            return [free.pop() for _ in range(n)]
+        return [free.pop(rng.randrange(len(free))) for _ in range(n)]
 
     # -- engine calls, on a rank's current incarnation ----------------------------------
 
@@ -149,7 +178,8 @@ class Engine:
             return
         rank, h = got
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in use.dst.items()}
-        self.w.call(rank, "expect", h, use.rid, tuple(self.w.prefill), arrays, 1)
+        sources = (PREFILL, *self.w.prefill[1:]) if use.decoy else use.sources
+        self.w.call(rank, "expect", h, use.rid, sources, arrays, 1)
         rec = rank.proto.incoming.recvs.get(use.rid)
         if rec is not None and rec.handle is h:  # its writes carry this claim's generation
             rank.memory.serials[use.rid, rec.gen] = use.serial
@@ -177,9 +207,12 @@ class Engine:
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in chunk.items()}
         self.w.call(rank, "write", h, arrays, last)
         c = self.w.config
-        if not last and "pause" in c.faults and self.w.rng.random() < 0.05:
-            # Stopped between chunks, long enough to be declared lost: the worst moment.
-            self.w.pause(rank.name, self.w.rng.uniform(c.dead_after_s, c.max_pause_s))
+        rng = self.w.rng
+        if not last and "pause" in c.faults and rng.random() < 0.05:
+            # Stopped between chunks, long enough to be declared lost (the worst moment), and
+            # half of the time past the decode ranks' drain bound, when they reuse the slots.
+            low = c.dead_after_s if rng.random() < 0.5 else c.drain_s + 2 * c.dead_after_s
+            self.w.pause(rank.name, rng.uniform(min(low, c.max_pause_s), c.max_pause_s))
 
     def _abort(self, use: Use, name: str) -> None:
         rank = self.w.ranks[name]
@@ -209,5 +242,5 @@ class Engine:
             slots = use.src if side == "prefill" else use.dst
             for pool, got in slots.items():
                 self.free[side][pool].extend(got)
-        if len(use.freed) == 2:
+        if len(use.freed) == 2 and not use.decoy:
             self.retired.append(use.rid)

@@ -29,14 +29,17 @@ import numpy as np
 
 from ...descriptors import Descriptors
 from ...session import actions as act
+from ...session import wire
 from ...session.core import MAX_EARLY, MAX_PAIRS, MAX_UNOFFERED, REMEMBERED
 from ...session.states import State
-from .hostile import HOSTILE
+from .hostile import FORGED, HOSTILE
 
 if TYPE_CHECKING:
     from .driver import Write
     from .engine import Handle, Use
     from .world import Rank, World
+
+    Member = tuple[wire.Join, bytes, float]  # a roster place: the Join, its identity, when
 
 
 RACES = frozenset({"abort", "timeout", "peer lost", "closed"})
@@ -70,6 +73,7 @@ class Checker:
         self._open: list[tuple[float, int, Handle]] = []  # (must end by, serial, handle)
         self._n = 0
         self.outcomes: dict[str, int] = {}
+        self.joins: dict[tuple[str, tuple[int, int]], float] = {}  # honest members' last Join
 
     def violate(self, invariant: int, what: str) -> None:
         w = self.w
@@ -157,14 +161,30 @@ class Checker:
             h.states.append(State.FAILED)
         else:
             h.states.append(State.DONE)
-            if h.side == "decode":
+            if h.side == "decode" and not self.asked_hostile(h.use):  # a source it named may lie
                 self._exact(rank, h)
         self._settled(h.use)
         return h
 
+    def asked_hostile(self, use: Use) -> bool:
+        """The decode ranks asked the hostile prefill for ``use`` (a decoy, or its group's
+        roster named it): what a source a request names says it wrote is that source's word."""
+        hostile = self.w.hostile
+        return use.decoy or (hostile is not None and use.serial in hostile.asked)
+
     def _hostile(self, rank: Rank, h: Handle, error: Exception) -> None:
         text = str(error)
-        if h.side != "prefill" or h.use.reused or HOSTILE not in text:
+        if h.use.reused or self.asked_hostile(h.use) or HOSTILE not in text:
+            return
+        if h.side == "decode":  # the hostile prefill's messages: for what it was asked only
+            if FORGED in text and not any(
+                HOSTILE in self.w.claims.get((p, h.request_id), ()) for p in self.w.prefill
+            ):
+                self.violate(
+                    7,
+                    f"{rank.name}: the hostile prefill failed {h.request_id!r} (use "
+                    f"{h.use.serial}), which never named it: {error}",
+                )
             return
         first = FIRST_RANK.search(text)
         if first is not None and first.group(1) != rank.name:
@@ -204,7 +224,9 @@ class Checker:
         failed = [h for h in hs if h.states[-1] is State.FAILED]
         key = "done" if not failed else "failed" if not done else "mixed"
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
-        hijacked = any(HOSTILE in self.w.claims.get((p, use.rid), ()) for p in self.w.prefill)
+        hijacked = self.asked_hostile(use) or any(
+            HOSTILE in self.w.claims.get((p, use.rid), ()) for p in self.w.prefill
+        )
         for side in () if hijacked else ("prefill", "decode"):  # (a place it claimed first)
             if all(h.states[-1] is State.DONE for h in hs if h.side == side):
                 for h in failed:
@@ -269,6 +291,52 @@ class Checker:
         ):
             if size > bound:
                 self.violate(6, f"{rank.name}: {name} holds {size} (bound {bound})")
+        for up in p.pairs.ups.values():  # a driver's notifications count for its own pair
+            if up.welcome is not None and p.pairs.by_driver.get(up.driver_name) is not up:
+                other = p.pairs.by_driver.get(up.driver_name)
+                self.violate(
+                    7,
+                    f"{rank.name}: notifications from {up.driver_name}, the driver of its live "
+                    f"pair with {up.address}, count for {other.address if other else 'nobody'}",
+                )
+
+    def connects(self, rank: Rank, actions: list[act.Action]) -> None:
+        """The driver connects (a thread, a socket, a pidfd) only for a Hello the core kept:
+        refused work leaves nothing behind, whatever a peer sends."""
+        for a in actions:
+            if isinstance(a, act.Connect):
+                down = rank.proto.pairs.downs.get(a.key)
+                error = None if down is None else down.error
+                if down is None or error is not None:
+                    why = "none kept" if error is None else error[1]
+                    self.violate(6, f"{rank.name} connects its driver for a refused Hello: {why}")
+
+    def joined(self, rank: Rank, ident: bytes, msg: wire.Join, held: Member | None) -> None:
+        """A ``Join`` reached the rank serving the group: a place outside the group is never
+        held, and one a live member holds never changes hands."""
+        p, key, now = rank.proto, (msg.tp_rank, msg.pp_rank), rank.local(self.w.now)
+        got = p.roster.members.get(key)
+        if not ident.startswith(HOSTILE.encode()):
+            if got is not None and got[1] == ident:  # the member holding the place is live
+                self.joins[rank.name, key] = now
+            return
+        if got is None or got[1] != ident:
+            return
+        tp, pp = p.s.manifest.tp_size, p.s.pp_size
+        if key[0] >= tp or key[1] >= pp:
+            self.violate(6, f"{rank.name}'s roster holds (TP, PP) {key}, outside TP {tp} x PP {pp}")
+        last = self.joins.get((rank.name, key))
+        if (
+            held is not None
+            and held[1] != ident
+            and last is not None
+            and now - last <= p.s.dead_after_s
+        ):
+            self.violate(
+                7,
+                f"{rank.name}'s roster gave {held[0].address}'s place {key} to the hostile "
+                f"peer {now - last:.1f} s after that member's last Join",
+            )
 
     def quiet(self) -> bool:
         """True once the schedule has nothing left to show: a violation, or every request
@@ -279,13 +347,13 @@ class Checker:
         return (
             self.w.now > self.w.config.arrivals_s + 25.0
             and len(e.uses) >= self.w.config.requests
-            and all(len(u.freed) == 2 for u in e.uses)
+            and all(len(u.freed) == 2 for u in (*e.uses, *e.decoys))
         )
 
     def finish(self) -> None:
         if self.violations:
             return
-        for u in self.w.engine.uses:
+        for u in (*self.w.engine.uses, *self.w.engine.decoys):
             for h in u.handles.values():
                 rank = self.w.ranks[h.rank]
                 if not h.terminal and rank.incarnation == h.inc and rank.alive:

@@ -4,8 +4,8 @@ Each ``Mutation`` edits the source of one or more methods (the defect as it was,
 classic one) and swaps the edited functions in for the duration of ``applied()``.
 ``hunt`` runs seeded schedules under it until a violation shows; how many schedules that
 took is the simulator's power against that defect (docs/reliability.md, the table).
-Defects the simulator does not model (sockets, the garbage collector, group rosters,
-memory held per message) are listed in ``OUTSIDE`` with where they are tested instead.
+Defects the simulator does not model (sockets, the garbage collector, memory held per
+message) are listed in ``OUTSIDE`` with where they are tested instead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ...session.incoming import Incoming
 from ...session.outgoing import Outgoing
 from ...session.pairs import Pairs
 from ...session.protocol import Protocol
+from ...session.roster import Roster
 from . import run
 from .config import FAULTS, Config
 from .invariants import Violation
@@ -92,6 +93,31 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "any-source-fails",
+        "3: a Fail or AbortAck counts from a prefill rank the request never named",
+        (
+            Edit(
+                Incoming,
+                "on_message",
+                "if rec is None or rec.gen != msg.gen or up.address not in rec.requested:",
+                "if rec is None or rec.gen != msg.gen:",
+            ),
+        ),
+    ),
+    Mutation(
+        "welcome-of-a-live-pair",
+        "6: a Welcome naming a driver address a live pair holds takes its completions",
+        (
+            Edit(
+                Pairs,
+                "welcome",
+                "if driver == self.s.driver_name or (holder is not None and holder is not up):",
+                "if driver == self.s.driver_name:",
+            ),
+        ),
+        FAULTS | {"impersonate"},
+    ),
+    Mutation(
         "endpoint-of-a-live-pair",
         "4, 5: a Hello naming a live pair's endpoint is accepted",
         (
@@ -141,6 +167,43 @@ MUTATIONS = (
             ),
         ),
         config=(("max_pause_s", 40.0),),  # past the drain bound by more
+    ),
+    Mutation(
+        "connect-every-hello",
+        "11: the driver connects for every Hello, before it is checked",
+        (
+            Edit(
+                Pairs,
+                "hello",
+                "down = self.downs[ident] = Down(ident, msg, now)",
+                "down = self.downs[ident] = Down(ident, msg, now)\n"
+                "self.out.add(act.Connect(ident, msg.endpoint, None))",
+            ),
+        ),
+    ),
+    Mutation(
+        "roster-beyond-the-group",
+        "13: a Join for a place outside the group (TP rank >= TP size) is held",
+        (
+            Edit(
+                Roster,
+                "join",
+                "elif key == me or msg.tp_rank >= msg.tp_size or msg.pp_rank >= msg.pp_size:",
+                "elif key == me:",
+            ),
+        ),
+    ),
+    Mutation(
+        "roster-place-taken",
+        "13: another identity takes a live member's place in the roster",
+        (
+            Edit(
+                Roster,
+                "join",
+                "elif old is not None and old[1] != ident and now - old[2] <= s.dead_after_s:",
+                "elif False:",
+            ),
+        ),
     ),
     Mutation(
         "completion-counted-twice",
@@ -209,19 +272,11 @@ MUTATIONS = (
 )
 
 OUTSIDE = {
-    "3: a Fail from a prefill rank the request never named": "every simulated request names "
-    "every prefill rank; test_protocol_core.py::test_a_sources_fail_counts_only_for_requests_"
-    "that_named_it",
-    "6: a fake prefill's Welcome steals completions": "the hostile peer is never a prefill "
-    "rank; test_protocol_core.py::test_a_welcome_naming_a_driver_address_a_live_pair_holds_is_"
-    "refused",
     "9, 10: memory held for unoffered requests or refused Hellos": "bytes per message are not "
     "modelled (tables are: invariant 6); test_session_bounds.py",
-    "11: a thread per Hello; the pair cap": "a flood of 40 stays under MAX_PAIRS; "
-    "test_protocol_core.py::test_hellos_beyond_the_pair_cap_are_refused_and_keep_nothing",
+    "11 (the pair cap)": "a flood of 16 stays under MAX_PAIRS; test_protocol_core.py::"
+    "test_hellos_beyond_the_pair_cap_are_refused_and_keep_nothing",
     "12: a Session never reclaimed": "no garbage collector; test_session_stale.py",
-    "13: rosters": "group bootstrap is not simulated; test_protocol_core.py::test_the_roster_"
-    "admits_only_what_fits_the_group",
     "14: a refused Curve key": "no sockets; test_session_failures.py",
     "15: a reconnecting decode rank refused": "a refusal is a failure, not a violation; "
     "test_protocol_core.py::test_a_decode_rank_reconnecting_after_it_lost_the_pair_is_welcomed_"

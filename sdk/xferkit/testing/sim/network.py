@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...session import wire
+from .hostile import PREFILL
 
 if TYPE_CHECKING:
     from .world import Rank, World
@@ -26,11 +27,12 @@ CAPTURED = 64
 class Link:
     """A decode rank's DEALER to a prefill address."""
 
-    dec: str
-    inc: int  # the decode rank's incarnation that opened it
+    dec: str  # the rank that opened it (a decode rank, or a group's member)
+    inc: int  # its incarnation
     conn: tuple
     pre: str
     ident: bytes
+    base: str  # its ROUTER identities: ``base.<reconnects>``
     epoch: int = 0  # bumped when what is in flight is lost
     reconnects: int = 0
     closed: bool = False
@@ -48,6 +50,8 @@ class Network:
         self.idents: dict[bytes, Link] = {}
         self.partitions: dict[frozenset[str], float] = {}  # hosts -> healed at
         self.captured: deque[wire.Message] = deque(maxlen=CAPTURED)
+        self.welcomes: deque[wire.Welcome] = deque(maxlen=8)  # honest ones, for a forger
+        self._opened = 0
 
     # -- delays ---------------------------------------------------------------------
 
@@ -64,8 +68,9 @@ class Network:
 
     def _arrival(self, link: Link, up: bool) -> float:
         t = self.w.now + self._latency()
-        healed = self.partitions.get(frozenset((link.dec, link.pre)), 0.0)
-        t = max(t, healed + self._latency()) if healed > self.w.now else t
+        if self.partitions:
+            healed = self.partitions.get(frozenset((link.dec, link.pre)), 0.0)
+            t = max(t, healed + self._latency()) if healed > self.w.now else t
         if "reorder" not in self.w.config.faults:
             tail = link.tail_up if up else link.tail_down
             t = max(t, tail)
@@ -86,12 +91,13 @@ class Network:
     # -- what a rank's actions do ---------------------------------------------------
 
     def open(self, rank: Rank, conn: tuple) -> None:
-        if conn[0] != "up":
-            return  # group rosters are not simulated
-        ident = f"{rank.name}.{rank.incarnation}.{conn[2]}.0".encode()
-        link = Link(rank.name, rank.incarnation, conn, conn[1], ident)
+        """A DEALER: to a prefill rank's pairs (``up``), roster (``group``) or, from a group's
+        member, to the rank serving it (``member``)."""
+        self._opened += 1
+        base = f"{rank.name}.{rank.incarnation}.{self._opened}"
+        link = Link(rank.name, rank.incarnation, conn, conn[1], f"{base}.0".encode(), base)
         self.links[rank.name, rank.incarnation, conn] = link
-        self.idents[ident] = link
+        self.idents[link.ident] = link
 
     def close(self, rank: Rank, conn: tuple, linger_ms: int) -> None:
         link = self.links.get((rank.name, rank.incarnation, conn))
@@ -102,7 +108,7 @@ class Network:
             link.epoch += 1
 
     def send(self, rank: Rank, conn: tuple, msg: wire.Message) -> None:
-        if conn[0] == "up":
+        if conn[0] != "down":
             link = self.links.get((rank.name, rank.incarnation, conn))
             if link is None or link.closed:
                 return
@@ -113,12 +119,25 @@ class Network:
             link = self.idents.get(conn[1])
             if link is None or link.closed or link.pre != rank.name:
                 return  # a ROUTER drops what it cannot route
+            if isinstance(msg, wire.Welcome) and not msg.error:
+                self.welcomes.append(msg)
             for _ in range(self._copies()):
                 t = self._arrival(link, False)
                 self.w.at(t, self._arrive_down, link, link.epoch, rank.incarnation, msg)
 
+    def reply(self, link: Link, msg: wire.Message) -> None:
+        """The hostile prefill sends ``msg`` down ``link`` (through the codec, as a shell
+        decodes it)."""
+        if not link.closed:
+            t = self._arrival(link, False)
+            self.w.at(t, self._arrive_down, link, link.epoch, 0, wire.decode(wire.encode(msg)))
+
     def _arrive_up(self, link: Link, epoch: int, msg: wire.Message) -> None:
         if epoch != link.epoch or self.w.ranks[link.dec].incarnation != link.inc:
+            return
+        if link.pre == PREFILL:
+            assert self.w.hostile is not None
+            self.w.hostile.from_decode(link, msg)
             return
         pre = self.w.ranks[link.pre]
         if not pre.alive:
@@ -130,13 +149,14 @@ class Network:
     def _reach(self, link: Link, pre: Rank) -> None:
         if link.pre_inc not in (-1, pre.incarnation):  # reconnected: a new ROUTER identity
             link.reconnects += 1
-            link.ident = f"{link.dec}.{link.inc}.{link.conn[2]}.{link.reconnects}".encode()
+            link.ident = f"{link.base}.{link.reconnects}".encode()
             self.idents[link.ident] = link
         link.pre_inc = pre.incarnation
         link.seen = True
 
     def _arrive_down(self, link: Link, epoch: int, pre_inc: int, msg: wire.Message) -> None:
-        if epoch != link.epoch or link.closed or self.w.ranks[link.pre].incarnation != pre_inc:
+        pre = self.w.ranks.get(link.pre)  # None: the hostile prefill, which never restarts
+        if epoch != link.epoch or link.closed or (pre is not None and pre.incarnation != pre_inc):
             return
         dec = self.w.ranks[link.dec]
         if dec.incarnation == link.inc and dec.alive:

@@ -32,11 +32,18 @@ from ..reference import Reference
 from .config import Config
 from .driver import Driver
 from .engine import Engine, Handle
-from .hostile import HOSTILE, Hostile
+from .hostile import HOSTILE, PREFILL, Hostile
 from .invariants import Checker, Violation
 from .memory import Memory
 from .network import Network
 from .trace import brief
+
+
+def wire_place(join: wire.Join) -> tuple[int, int]:
+    return (join.tp_rank, join.pp_rank)
+
+
+HOSTILE_IDENT = HOSTILE.encode()
 
 BACKLOG_S = 0.0005
 """When, after a rank resumes, its control thread reads what arrived while it was stopped."""
@@ -92,7 +99,7 @@ class Rank:
             driver_name=self.driver_name,
             endpoint=msgspec.msgpack.encode(env),
             fingerprint="sim",
-            notifying=True,
+            notifying=c.notifying,
             heartbeat_s=c.heartbeat_s,
             dead_after_s=c.dead_after_s,
             handshake_timeout_s=c.handshake_timeout_s,
@@ -103,7 +110,8 @@ class Rank:
             clock=lambda: self.local(self.w.now),
             secret=w.rng.randbytes(16),
         )
-        self.proto = Protocol(settings)
+        joins = c.groups > 0 and self.role == "prefill" and self.name != w.prefill[0]
+        self.proto = Protocol(settings, group=w.prefill[0] if joins else None)  # P0 serves it
         w.apply(self, self.proto.start())
         w.schedule_timer(self)
 
@@ -119,6 +127,7 @@ class World:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
         self.trace: list[str] | None = [] if trace else None
+        self._awake_s = (config.dead_after_s - config.heartbeat_s) / 2  # the longest a core sleeps
         ref = reference(config.prefill_tp, config.decode_tp, config.kv_slots, config.state_slots)
         self.ref = ref
         self.prefill = [f"P{i}" for i in range(config.prefill_tp)]
@@ -175,16 +184,21 @@ class World:
         if self.trace is not None:
             self.trace.append(f"{self.now:12.6f} {rank.name}#{rank.incarnation} {method}"
                               f" {brief(args)}")  # fmt: skip
-        if (
-            method == "receive"
-            and isinstance(args[1], wire.Request)
-            and args[0][1].startswith(HOSTILE.encode())
-        ):
-            self.hostile_first(rank, args[0][1], args[1].rid)
-        actions = getattr(rank.proto, method)(*args, rank.local(self.now))
-        self.apply(rank, actions)
+        msg = args[1] if method == "receive" else None
+        conn = args[0] if msg is not None else ("", b"")
+        forged = conn[1] == PREFILL if conn[0] != "down" else conn[1].startswith(HOSTILE_IDENT)
+        if forged and isinstance(msg, wire.Request):
+            self.hostile_first(rank, args[0][1], msg.rid)
+        join = msg if isinstance(msg, wire.Join) else None
+        held = None if join is None else rank.proto.roster.members.get(wire_place(join))
+        actions = getattr(rank.proto, method)(*args, self.now + rank.offset)
+        if actions:
+            self.apply(rank, actions)
+            self.check.connects(rank, actions)
+        if join is not None:
+            self.check.joined(rank, args[0][1], join, held)
         self.schedule_timer(rank)
-        if method == "receive" or self.steps % 64 == 0:
+        if forged or self.steps % 8 == 0:  # what the hostile sends makes tables grow
             self.check.bounds(rank)
 
     def hostile_first(self, rank: Rank, ident: bytes, rid: str) -> None:
@@ -203,13 +217,13 @@ class World:
         """The shell runs the core's timer by its deadlines, and often enough that the clock
         never looks stopped to the core (``Protocol._enter``); a timer already due sooner is
         kept (it runs, finds nothing due, and asks again)."""
-        if self.now <= rank.timer_due <= self.now + rank.proto.tick_s:
-            return  # due within the shell's own tick: it asks again then
-        c = self.config
-        local = rank.local(self.now)
-        due = min(rank.proto.deadlines(), local + (c.dead_after_s - c.heartbeat_s) / 2)
-        due = max(due, rank.proto.next_deadline()) - rank.offset  # at most once a tick
-        if self.now <= rank.timer_due <= due:
+        now, proto, offset = self.now, rank.proto, rank.offset
+        floor = proto.next_deadline() - offset  # the earliest it could be due
+        if now <= rank.timer_due <= max(floor, now + proto.tick_s):
+            return  # due within the shell's own tick, or as soon as it may run: kept
+        due = min(proto.deadlines() - offset, now + self._awake_s)
+        due = max(due, floor)  # at most once a tick
+        if now <= rank.timer_due <= due:
             return
         rank.timer_due = due
         rank.timer_version += 1
