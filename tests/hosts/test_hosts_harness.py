@@ -73,6 +73,42 @@ def test_a_killed_runs_namespaces_are_swept_at_the_next_start() -> None:
     assert stale not in sweep()  # already gone
 
 
+_LEFT_OPEN = (
+    "import sys, time\n"
+    "from xferkit.testing.hosts import Hosts\n"
+    "box = Hosts(2)\n"
+    "box[0].python('-c', 'import time; time.sleep(60)')\n"
+    "print(' '.join(box.namespaces()), flush=True)\n"
+    "if sys.argv[1] == 'hang': time.sleep(60)\n"
+)
+
+
+def _left_open(how: str) -> tuple[subprocess.Popen[str], list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LEFT_OPEN, how], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    names = proc.stdout.readline().split()
+    assert len(names) == 3 and set(names) <= set(namespaces())
+    return proc, names
+
+
+def test_a_box_left_open_is_removed_at_interpreter_exit() -> None:
+    proc, names = _left_open("exit")
+    assert proc.wait(timeout=30) == 0
+    assert not set(names) & set(namespaces())
+
+
+def test_a_box_whose_process_was_killed_is_swept_by_the_next() -> None:
+    proc, names = _left_open("hang")
+    proc.kill()  # no atexit: the namespaces and the sleeper inside stay behind
+    proc.wait()
+    assert set(names) <= set(namespaces())
+    with Hosts(1) as box:
+        assert set(names) <= set(box.swept)
+    assert not set(names) & set(namespaces())
+
+
 def test_each_host_has_its_own_address_and_reaches_the_others_over_tcp(box: Hosts) -> None:
     a, b = box
     with pytest.raises(HostError, match="Cannot assign requested address"):
