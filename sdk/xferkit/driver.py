@@ -43,6 +43,7 @@ from .manifest import Manifest, Region, parse_device
 from .options import DriverOptions
 from .posted import Done, Posted, Status
 from .rdma import INFINIBAND, rdma_devices
+from .reach import Advertised
 from .worker import BatchWorker, QueuedBatch
 
 CONTRACT_VERSION = 2
@@ -177,6 +178,13 @@ class Driver(ABC):
         """
         return None
 
+    def advertised_host(self) -> Advertised | None:
+        """The host name or address this driver tells peers to reach it at, and the option that
+        sets it; None when it advertises none (its engine's address lists every interface, or
+        it reaches one host only). A Session bound beyond this host refuses to start while
+        this is a loopback address (``xferkit.reach``)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine; nothing is registered or connected any more."""
 
@@ -205,6 +213,7 @@ __all__ = [
     "CONTRACT_VERSION",
     "INFINIBAND",
     "AddressTable",
+    "Advertised",
     "ArgumentError",
     "BackendSpec",
     "BatchWorker",

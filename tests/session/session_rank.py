@@ -11,7 +11,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -259,12 +259,14 @@ def serve() -> None:
 class RankProcess:
     """The test's handle on one rank process."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        """``prefix`` runs the rank elsewhere (``host.prefix()`` of ``xferkit.testing.hosts``)."""
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__))],
+            [*prefix, sys.executable, str(Path(__file__))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         self._decoder = msgspec.json.Decoder(Reply)
         self.address = ""

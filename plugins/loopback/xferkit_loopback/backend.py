@@ -11,7 +11,9 @@ with process_vm_writev; notifications travel as datagrams on an abstract unix
 socket, sent only after the data, taken off it by whoever drains (an event
 loop sleeping on ``notification_fd`` is woken by the datagram itself), and
 moved into a bounded inbox by a thread when a sender finds the socket full
-(``notices``).
+(``notices``). Both reach processes on one host only: a peer on another boot, pid
+namespace or network namespace (``host``), or whose notification socket is not
+there, is refused at connect, before anything is written.
 """
 
 from __future__ import annotations
@@ -29,18 +31,21 @@ import numpy as np
 from xferkit.driver import (
     AddressTable,
     Capabilities,
+    CapabilityError,
     Descriptors,
     Driver,
     DriverOptions,
     Manifest,
     Posted,
     Region,
+    TransferError,
 )
 
 from .copy import allow_writers, copy_local, explain, start_time, write_remote
 from .faults import Faults
+from .host import this_host
 from .link import Job, Link, LoopbackBlob
-from .notices import Mailbox
+from .notices import Mailbox, socket_name, unreachable
 
 _LIVE: weakref.WeakValueDictionary[str, LoopbackDriver] = weakref.WeakValueDictionary()
 
@@ -80,6 +85,7 @@ class LoopbackDriver(Driver):
         self.faults = opts.faults if opts.faults is not None else Faults()
         self.id = uuid.uuid4().hex[:16]
         self.address = f"{os.getpid()}:{self.id}"
+        self.host = this_host()
         self._ranges: dict[int, int] = {}  # registered start -> end
         self._table: AddressTable | None = None  # rebuilt once per change, not per region
         # The registration generation, where a peer process can read it (process_vm_readv).
@@ -146,6 +152,7 @@ class LoopbackDriver(Driver):
         t, generation = self._registered()
         ends = (t.last + np.uint64(1)).tolist()
         return LoopbackBlob(
+            self.host,
             os.getpid(),
             self.id,
             start_time(os.getpid()),
@@ -155,6 +162,22 @@ class LoopbackDriver(Driver):
         )
 
     def connect(self, blob: Any, manifest: Manifest) -> Any:
+        # Refused here, before any byte: a write would land and its notification would not.
+        name = f"loopback:{blob.pid}:{blob.id}"
+        differs = self.host.differs(blob.host)
+        if differs:
+            raise CapabilityError(
+                f"the loopback reaches processes on one host only: peer {name} is on "
+                f"another host ({'; '.join(differs)})",
+                subject=name,
+            )
+        why = unreachable(socket_name(blob.id))
+        if why is not None:
+            raise TransferError(
+                f"peer {name}: its notification socket is unreachable from here ({why}); "
+                "nothing was written",
+                subject=name,
+            )
         link = Link(blob, self._execute, name=f"xferkit-loopback-{self.id}-{blob.id}")
         self._links.add(link)
         return link

@@ -13,12 +13,15 @@ import numpy as np
 from xferkit.driver import AddressTable, BatchWorker, Descriptors, QueuedBatch
 
 from .copy import RemoteWord, start_time
+from .host import HostId
 from .notices import poke_name, socket_name
 
 
 class LoopbackBlob(msgspec.Struct, frozen=True):
-    """A loopback endpoint: who, which process (pid + start time is unique), which memory."""
+    """A loopback endpoint: who, which process (pid + start time is unique, on its host),
+    which memory."""
 
+    host: HostId  # the boot and namespaces the pid and the notification socket belong to
     pid: int
     id: str
     started: int  # the process's start time (clock ticks since boot)

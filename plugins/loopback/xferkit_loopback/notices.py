@@ -44,6 +44,17 @@ def poke_name(backend_id: str) -> bytes:
     return b"\0xferkit-loopback-poke-" + backend_id.encode()
 
 
+def unreachable(where: bytes) -> str | None:
+    """Why socket ``where`` cannot be sent to from here, or None: asked at connect, so that
+    a peer whose notifications would fail is refused before any byte is written."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(where)  # a datagram connect sends nothing; it finds the socket
+        except OSError as exc:
+            return str(exc)
+    return None
+
+
 def _bound(name: bytes) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(name)

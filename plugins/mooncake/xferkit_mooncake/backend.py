@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from xferkit.driver import (
+    Advertised,
     Capabilities,
     Descriptors,
     Driver,
@@ -136,6 +137,10 @@ class MooncakeDriver(Driver):
 
     def __repr__(self) -> str:
         return f"MooncakeDriver({self.address!r}, {self.protocol})"
+
+    def advertised_host(self) -> Advertised:
+        # The segment peers are told (host:port) is this host name: 127.0.0.1 unless set.
+        return Advertised(self._start[0], "hostname")
 
     @property
     def engine(self) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -134,11 +135,12 @@ def serve() -> None:
 
 
 class PeerProcess(Closing):
-    """The parent's handle on a peer process."""
+    """The parent's handle on a peer process; ``prefix`` runs it elsewhere (another host of
+    ``xferkit.testing.hosts``: ``host.prefix()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: Sequence[str] = ()) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "xferkit.testing.peer"],
+            [*prefix, sys.executable, "-m", "xferkit.testing.peer"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
