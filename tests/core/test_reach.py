@@ -15,6 +15,7 @@ import pytest
 import xferkit as xk
 from xferkit.driver import Advertised
 from xferkit.reach import bind_host, check_reach, is_loopback
+from xferkit.testing import Reference, gdn_hybrid
 from xferkit.testing.mock import MockDriver
 
 
@@ -67,3 +68,20 @@ def test_wrong_types_are_argument_errors(mooncake: xk.Backend) -> None:
         check_reach("mooncake", "tcp://10.77.0.1:0")  # type: ignore[arg-type]
     with pytest.raises(xk.ArgumentError, match="the bind address"):
         check_reach(mooncake, None)  # type: ignore[arg-type]
+
+
+def test_a_session_bound_beyond_this_host_on_a_loopback_driver_refuses_to_start(
+    mooncake: xk.Backend,
+) -> None:
+    """The Session checks at start, before it registers or binds: a refused one holds
+    nothing (the same backend then serves a Session bound on this host)."""
+    slots = {"kv": 4, "state": 2}
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=slots, dst_slots=slots)
+    manifest = ref.srcs[0].manifest
+    before = mooncake.manifest
+    with pytest.raises(xk.OptionError, match="hostname=<this host's address>") as err:
+        xk.Session(mooncake, manifest, bind="tcp://*:0")
+    assert err.value.subject == "hostname"
+    assert mooncake.manifest == before  # nothing of it was registered
+    with xk.Session(mooncake, manifest, bind="tcp://127.0.0.1:0") as session:
+        assert session.address.startswith("tcp://127.0.0.1:")

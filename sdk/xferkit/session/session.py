@@ -27,6 +27,7 @@ from ..closing import Closing
 from ..copier import CPU
 from ..errors import ArgumentError, XferError
 from ..manifest import Manifest
+from ..reach import check_reach
 from .config import SessionConfig, open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
@@ -115,6 +116,7 @@ class Session(Closing):
             raise XferError(f"keys must be SessionKeys or None, not {keys!r}")
         if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://")):
             raise XferError(f"bind must be a tcp:// or ipc:// address, not {bind!r}")
+        check_reach(backend, bind)  # before anything is registered or bound
         if group is not None and (not isinstance(group, str) or not group):
             raise XferError(f"group is the session address of the rank serving it, not {group!r}")
         for name, value in (("pp_size", pp_size), ("pp_rank", pp_rank)):
