@@ -89,6 +89,7 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
 @given(
     seed=st.integers(0, 2**32 - 1),
     prefill=st.sampled_from([1, 2, 4]),  # the model's heads split 1, 2 or 4 ways
+    stages=st.sampled_from([1, 1, 2]),  # the prefill's pipeline stages
     decode=st.sampled_from([1, 2, 4]),
     requests=st.integers(1, 8),
     faults=FAULT_SETS,
@@ -99,11 +100,11 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     notifying=st.booleans(),
 )
 def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
-    seed: int, prefill: int, decode: int, requests: int, faults: frozenset[str],
+    seed: int, prefill: int, stages: int, decode: int, requests: int, faults: frozenset[str],
     heartbeat: float, dead_after: int, staging: str, staging_bytes: int, notifying: bool,
 ) -> None:  # fmt: skip
     config = Config(
-        prefill_tp=prefill, decode_tp=decode, requests=requests, faults=faults,
+        prefill_tp=prefill, prefill_pp=stages, decode_tp=decode, requests=requests, faults=faults,
         heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after, staging=staging,
         staging_bytes=staging_bytes, notifying=notifying,
     )  # fmt: skip

@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, help="replay this one schedule")
     ap.add_argument("--trace", action="store_true", help="print every call into a core")
     ap.add_argument("--prefill-tp", type=int, default=2)
+    ap.add_argument("--prefill-pp", type=int, default=1, help="the prefill's pipeline stages")
     ap.add_argument("--decode-tp", type=int, default=2)
     ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--staging", choices=["never", "auto", "always"], default="auto")
+    ap.add_argument("--written", action="store_true", help="a driver without notifications")
     ap.add_argument(
         "--faults", type=_faults, default=FAULTS,
         help=f"comma list over the default set: '-crash', '+late', 'none'; "
@@ -53,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", action="store_true", help="the CI budget's configurations in turn")
     args = ap.parse_args(argv)
     config = Config(
-        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, requests=args.requests,
-        faults=args.faults,
+        prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, decode_tp=args.decode_tp,
+        requests=args.requests, faults=args.faults, staging=args.staging,
+        notifying=not args.written,
     )  # fmt: skip
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
     began = time.perf_counter()

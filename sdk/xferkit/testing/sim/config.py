@@ -38,6 +38,7 @@ class Config:
     """One simulation's shape; ``faults`` may name any of ``FAULTS | HARSH``."""
 
     prefill_tp: int = 2
+    prefill_pp: int = 1  # pipeline stages of the prefill instance (each holds its layers)
     decode_tp: int = 2
     requests: int = 6
     arrivals_s: float = 20.0  # requests arrive within this many simulated seconds

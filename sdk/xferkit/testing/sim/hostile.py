@@ -141,9 +141,9 @@ class Hostile:
                 registration=rng.choice([0, 1]),
             )  # fmt: skip
         if x < 0.95:  # a place in the group's roster, for its prefill address (or beyond)
-            tp = self.w.config.prefill_tp
+            tp, pp = self.w.config.prefill_tp, self.w.config.prefill_pp
             return wire.Join(incarnation=gen, address=PREFILL, tp_rank=rng.randint(0, tp),
-                             tp_size=tp, pp_rank=rng.choice([0, 0, 1]), pp_size=1)  # fmt: skip
+                             tp_size=tp, pp_rank=rng.randint(0, pp), pp_size=pp)  # fmt: skip
         return wire.Ping(incarnation=gen)
 
     # -- as a prefill rank -------------------------------------------------------------

@@ -38,7 +38,7 @@ def _staging(rank: Rank, nbytes: int) -> Staging:
 
 class Memory:
     def __init__(self, rank: Rank, side: str, staging_bytes: int) -> None:
-        self.arrays, self.side = rank.arrays, side
+        self.arrays, self.side, self.stage = rank.arrays, side, rank.pp_stage
         self.staging = _staging(rank, staging_bytes)  # the Session's, after the regions
         self.staging.buffer[:] = 0  # a schedule starts from a scrubbed buffer, as it replays
         self.manifest = self.staging.manifest

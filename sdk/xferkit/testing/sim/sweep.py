@@ -49,14 +49,14 @@ def sweep(first: int, count: int, configs: Sequence[Config], workers: int = 1) -
     return total
 
 
-ONE_PAIR = Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=30.0, staging="never",
+ONE_PAIR = Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=26.0, staging="never",
                   hostile_acts=6)  # fmt: skip
 MIX = (
     *[ONE_PAIR] * 7,
     replace(ONE_PAIR, notifying=False),  # completions as ``Written`` on the control socket
-    Config(prefill_tp=1, decode_tp=2, requests=3, arrivals_s=30.0, hostile_acts=6),
+    Config(prefill_tp=1, decode_tp=2, requests=3, arrivals_s=26.0, hostile_acts=6),
     Config(
-        prefill_tp=2, decode_tp=1, requests=3, arrivals_s=30.0, staging="always", hostile_acts=6
+        prefill_tp=2, decode_tp=1, requests=3, arrivals_s=26.0, staging="always", hostile_acts=6
     ),
 )
 """The CI budget's configurations: mostly one pair on direct routes (the cheapest per simulated

@@ -50,11 +50,11 @@ BACKLOG_S = 0.0005
 
 
 @cache
-def reference(prefill_tp: int, decode_tp: int, kv: int, state: int) -> Reference:
+def reference(prefill_tp: int, decode_tp: int, kv: int, state: int, pp: int) -> Reference:
     """One model's memory per shape, reused by every schedule (each allocation scrubs its
     destination slots, so nothing a schedule left behind can pass for a later write)."""
     slots = {"kv": kv, "state": state}
-    return Reference(gdn_hybrid(), src_tp=prefill_tp, dst_tp=decode_tp, src_slots=slots,
+    return Reference(gdn_hybrid(), src_tp=prefill_tp, dst_tp=decode_tp, src_pp=pp, src_slots=slots,
                      dst_slots=slots)  # fmt: skip
 
 
@@ -63,6 +63,7 @@ class Rank:
 
     def __init__(self, world: World, name: str, role: str, memory: Memory) -> None:
         self.w, self.name, self.role, self.memory = world, name, role, memory
+        self.stage = memory.stage  # its pipeline stage
         self.driver_name = f"sim:{name}-drv"
         self.incarnation = 0
         self.alive = False
@@ -92,6 +93,8 @@ class Rank:
             address=self.name,
             incarnation=w.rng.getrandbits(48),
             manifest=self.memory.manifest,
+            pp_rank=self.stage,
+            pp_size=c.prefill_pp if self.role == "prefill" else 1,
             staging=c.staging,
             arena=self.memory.staging.arena(c.slice_bytes),
             copier=CPU,  # packs and unpacks in the core's call: no pack worker
@@ -128,9 +131,10 @@ class World:
         self._seq = 0
         self.trace: list[str] | None = [] if trace else None
         self._awake_s = (config.dead_after_s - config.heartbeat_s) / 2  # the longest a core sleeps
-        ref = reference(config.prefill_tp, config.decode_tp, config.kv_slots, config.state_slots)
+        ref = reference(config.prefill_tp, config.decode_tp, config.kv_slots, config.state_slots,
+                        config.prefill_pp)  # fmt: skip
         self.ref = ref
-        self.prefill = [f"P{i}" for i in range(config.prefill_tp)]
+        self.prefill = [f"P{i}" for i in range(config.prefill_tp * config.prefill_pp)]
         self.decode = [f"D{i}" for i in range(config.decode_tp)]
         self.ranks: dict[str, Rank] = {}
         self.claims: dict[tuple[str, str], set[str]] = {}  # (prefill, rid) -> who claimed first
