@@ -41,6 +41,7 @@ class Setup(msgspec.Struct, tag=True):
     layers: int = 4  # gdn_hybrid layers: more layers, more descriptors per request
     slots: dict[str, int] = {}  # slots per pool, both sides (default SLOTS)
     views: bool = False  # KV pages NHD on prefill, HND of twice the tokens on decode (VIEWS)
+    page: int = 8  # tokens per KV page: larger pages, more bytes per slot
 
 
 class Expect(msgspec.Struct, tag=True):
@@ -87,6 +88,14 @@ class Verify(msgspec.Struct, tag=True):
     value: int
 
 
+class Stray(msgspec.Struct, tag=True):
+    """How many bytes of these destination slots no longer hold ``value`` (``count``, of
+    ``total``), and which slots (``error``): what landed after ``Fill`` reused them."""
+
+    slots: Slots
+    value: int
+
+
 class Landed(msgspec.Struct, tag=True):
     """How many (region, slot) cells of a request already hold the reference bytes."""
 
@@ -105,7 +114,19 @@ class Quit(msgspec.Struct, tag=True):
 
 
 Command = (
-    Setup | Expect | Offer | Write | Wait | Abort | Check | Fill | Verify | Landed | Quit | Renew
+    Setup
+    | Expect
+    | Offer
+    | Write
+    | Wait
+    | Abort
+    | Check
+    | Fill
+    | Verify
+    | Stray
+    | Landed
+    | Quit
+    | Renew
 )
 
 
@@ -118,6 +139,7 @@ class Reply(msgspec.Struct):
     elapsed: float = 0.0
     count: int = 0
     total: int = 0
+    failing: str = ""  # Wait: the root cause once known, while the request may still drain
 
 
 SLOTS = {"kv": 32, "state": 8}
@@ -147,9 +169,10 @@ def reference(
     layers: int = 4,
     slots: dict[str, int] | None = None,
     views: bool = False,
+    page: int = 8,
 ) -> Reference:
     counts = slots or SLOTS
-    specs = gdn_hybrid(layers)
+    specs = gdn_hybrid(layers, page=page)
     return Reference(
         [_views(s) for s in specs] if views else specs,
         src_tp=src_tp,
@@ -184,7 +207,9 @@ def serve() -> None:
             if isinstance(cmd, Quit):
                 break
             if isinstance(cmd, Setup):
-                ref = reference(cmd.src_tp, cmd.dst_tp, cmd.seed, cmd.layers, cmd.slots, cmd.views)
+                ref = reference(
+                    cmd.src_tp, cmd.dst_tp, cmd.seed, cmd.layers, cmd.slots, cmd.views, cmd.page
+                )
                 index = cmd.index
                 rank = (ref.srcs if cmd.role == "src" else ref.dsts)[index]
                 keys = None if cmd.keys is None else SessionKeys(*cmd.keys)
@@ -218,12 +243,13 @@ def serve() -> None:
                         h.wait(cmd.timeout)
                 except xk.XferError:
                     pass
-                err = h.error
+                err, failing = h.error, h.failing
                 reply = Reply(
                     True,
                     state=h.poll().name,
                     error="" if err is None else str(err),
                     stage="" if err is None else err.stage,
+                    failing="" if failing is None else str(failing),
                 )
             elif isinstance(cmd, Renew):
                 session.renew(cmd.rid, cmd.sources)
@@ -237,6 +263,14 @@ def serve() -> None:
                     bad = np.flatnonzero((arr[rows] != cmd.value).reshape(rows.size, -1).any(1))
                     if bad.size:
                         raise AssertionError(f"slot {int(rows[bad[0]])} was written after reuse")
+            elif isinstance(cmd, Stray):
+                hit: set[int] = set()
+                for arr, rows in _cells(ref, index, cmd.slots):
+                    differ = (arr[rows] != cmd.value).reshape(rows.size, -1)  # uint8: bytes
+                    reply.count += int(differ.sum())
+                    reply.total += differ.size
+                    hit.update(int(r) for r in rows[differ.any(1)])
+                reply.error = " ".join(map(str, sorted(hit)))
             elif isinstance(cmd, Landed):
                 want = ref.expected(index, cmd.slots)
                 dst = {pool: pair[1] for pool, pair in cmd.slots.items()}
