@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true", help="print every call into a core")
     ap.add_argument("--prefill-tp", type=int, default=2)
     ap.add_argument("--prefill-pp", type=int, default=1, help="the prefill's pipeline stages")
+    ap.add_argument("--instances", type=int, default=1, help="prefill instances (up to 3)")
+    ap.add_argument("--decode-instances", type=int, default=1, help="decode instances (up to 3)")
     ap.add_argument("--decode-tp", type=int, default=2)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--staging", choices=["never", "auto", "always"], default="auto")
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", action="store_true", help="the CI budget's configurations in turn")
     args = ap.parse_args(argv)
     config = Config(
-        prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, decode_tp=args.decode_tp,
+        prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, instances=args.instances,
+        decode_tp=args.decode_tp, decode_instances=args.decode_instances,
         requests=args.requests, faults=args.faults, staging=args.staging,
         notifying=not args.written,
     )  # fmt: skip

@@ -27,10 +27,17 @@ HARSH = frozenset(
         "duplicate",  # a message is delivered twice (ZMQ never does this)
         "loss",  # a message is lost without a reconnect (ZMQ never does this)
         "late",  # a driver lands bytes after it reported the write ended (UCX over TCP did)
+        "frozen",  # a stopped rank's writes land only once it resumes (a TCP transport's)
         "impersonate",  # the hostile peer presents the endpoint of a decode rank not paired now
     }
 )
 """Faults beyond the contracts: the protocol is not expected to survive all of them."""
+
+
+INSTANCES = "PQR"
+"""The prefill instances' rank names: ``P0, P1, ...``, ``Q0, ...``, ``R0, ...``."""
+DECODE_INSTANCES = "DEF"
+"""The decode instances' rank names: ``D0, ...``, ``E0, ...``, ``F0, ...``."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class Config:
 
     prefill_tp: int = 2
     prefill_pp: int = 1  # pipeline stages of the prefill instance (each holds its layers)
+    instances: int = 1  # prefill instances of that shape (P0.., Q0.., R0..); each request one
+    decode_instances: int = 1  # decode instances (D0.., E0.., F0..); each request one
     decode_tp: int = 2
     requests: int = 6
     arrivals_s: float = 20.0  # requests arrive within this many simulated seconds
@@ -65,6 +74,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.staging not in ("never", "auto", "always"):
             raise ValueError(f"staging {self.staging!r}: never, auto or always")
+        for name, n in (("instances", self.instances), ("decode_instances", self.decode_instances)):
+            if not 1 <= n <= len(INSTANCES):
+                raise ValueError(f"{name} {n}: 1 to {len(INSTANCES)}")
         unknown = set(self.faults) - FAULTS - HARSH
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS | HARSH)}")

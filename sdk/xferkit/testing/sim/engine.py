@@ -1,13 +1,14 @@
 """The simulated engine: requests from the seed, slots reused the moment that is allowed.
 
-Each use of a request id spans the prefill TP group (``offer``, then the
-slots in chunks, the last with ``last=True``) and the decode TP group
-(``expect`` naming every prefill rank). Either side may come first; any rank
-may abort at any time; ids are reused once every rank of their last use is
-terminal. A group's slots go back to its free list once every rank of the use
-is terminal there (or its process died), and the next request may take them
-at once: exactly what an engine is allowed to do, and what makes a late write
-land in someone else's pages.
+Each use of a request id spans one prefill instance's ranks (``offer``, then
+the slots in chunks, the last with ``last=True``) and one decode instance's
+ranks (``expect`` naming every rank of that prefill instance, or its group
+address). Either side may come first; any rank may abort at any time; ids are
+reused once every rank of their last use is terminal. An instance's slots go
+back to its free list once every rank of the use is terminal there (or its
+process died), and the next request may take them at once: exactly what an
+engine is allowed to do, and what makes a late write land in someone else's
+pages.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Use:
     reused: bool = False
     decoy: bool = False  # fetched from the hostile prefill: decode ranks only, never written
     sources: tuple[str, ...] = ()  # what the decode ranks name: the ranks, or their group
+    prefill: list[str] = field(default_factory=list)  # the instance serving it
+    decode: list[str] = field(default_factory=list)  # the instance fetching it
     incs: dict[str, int] = field(default_factory=dict)  # rank -> its incarnation at the start
     handles: dict[str, Handle] = field(default_factory=dict)  # rank -> its handle
     settled: set[str] = field(default_factory=set)  # ranks whose part is over
@@ -66,9 +69,9 @@ class Engine:
     def __init__(self, world: World) -> None:
         self.w = world
         c = world.config
-        self.free = {
-            "prefill": {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))},
-            "decode": {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))},
+        self.free = {  # per instance, by its first rank
+            ranks[0]: {"kv": list(range(c.kv_slots)), "state": list(range(c.state_slots))}
+            for ranks in (*world.instances, *world.decodes)
         }
         self.uses: list[Use] = []
         self.decoys: list[Use] = []  # requests the decode ranks fetch from the hostile prefill
@@ -85,15 +88,15 @@ class Engine:
     def decoy(self, i: int) -> None:
         """A request every decode rank fetches from the hostile prefill (an engine told to by
         a router it trusts): it fails, within its deadlines, and touches nothing else."""
-        if any(len(self.free["decode"][p]) < 1 for p in ("kv", "state")):
+        decode = self.w.decodes[0]
+        if any(len(self.free[decode[0]][p]) < 1 for p in ("kv", "state")):
             self.w.at(self.w.now + 1.0, self.decoy, i)
             return
-        dst = {p: self._take("decode", p, 1) for p in ("kv", "state")}
-        use = Use(100_000 + i, f"x{i}", {}, dst, [], decoy=True, freed={"prefill"})
+        dst = {p: self._take(decode[0], p, 1) for p in ("kv", "state")}
+        use = Use(100_000 + i, f"x{i}", {}, dst, [], decoy=True, freed={"prefill"}, decode=decode)
         use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
         self.decoys.append(use)
-        use.settled.update(self.w.prefill)
-        for rank in self.w.decode:
+        for rank in decode:
             self.w.ranks[rank].memory.scrub(dst)
             self.w.at(self.w.now + self.w.rng.uniform(0, 0.05), self._expect, use, rank)
 
@@ -101,11 +104,12 @@ class Engine:
         rng = self.w.rng
         kv = rng.randint(1, 4)
         want = {"kv": kv, "state": 1}
-        if any(len(self.free[s][p]) < n for s in self.free for p, n in want.items()):
+        ranks, decode = rng.choice(self.w.instances), rng.choice(self.w.decodes)
+        if any(len(self.free[s[0]][p]) < n for s in (decode, ranks) for p, n in want.items()):
             self.w.at(self.w.now + 1.0, self.begin, i)  # no free slots yet
             return
-        src = {p: self._take("prefill", p, n) for p, n in want.items()}
-        dst = {p: self._take("decode", p, n) for p, n in want.items()}
+        src = {p: self._take(ranks[0], p, n) for p, n in want.items()}
+        dst = {p: self._take(decode[0], p, n) for p, n in want.items()}
         rid, reused = f"r{i}", False
         if "reuse" in self.w.config.faults and self.retired and rng.random() < 0.4:
             rid, reused = self.retired.pop(rng.randrange(len(self.retired))), True
@@ -113,26 +117,26 @@ class Engine:
         bounds = [0, *cut, kv]
         chunks = [{"kv": src["kv"][a:b]} for a, b in itertools.pairwise(bounds)]
         chunks[-1]["state"] = src["state"]
-        use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused)
+        use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused, prefill=ranks, decode=decode)
         grouped = rng.random() < self.w.config.groups
-        use.sources = (f"{GROUP}{self.w.prefill[0]}",) if grouped else tuple(self.w.prefill)
+        use.sources = (f"{GROUP}{ranks[0]}",) if grouped else tuple(ranks)
         use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
         self.uses.append(use)
-        for rank in self.w.decode:
+        for rank in decode:
             self.w.ranks[rank].memory.scrub(dst)
         t0 = self.w.now
         decode_first = rng.random() < 0.5
-        for rank in self.w.decode:
+        for rank in decode:
             t = t0 + (0.0 if decode_first else rng.uniform(0.0, 2.0)) + rng.uniform(0, 0.05)
             self.w.at(t, self._expect, use, rank)
-        for rank in self.w.prefill:
+        for rank in ranks:
             t = t0 + (rng.uniform(0.0, 2.0) if decode_first else 0.0) + rng.uniform(0, 0.05)
             self.w.at(t, self._offer, use, rank)
         if "abort" in self.w.config.faults and rng.random() < self.w.config.abort_p:
-            rank = rng.choice([*self.w.prefill, *self.w.decode])
+            rank = rng.choice([*ranks, *decode])
             self.w.at(t0 + rng.uniform(0.0, 4.0), self._abort, use, rank)
         if "close" in self.w.config.faults and rng.random() < self.w.config.close_p:
-            rank = rng.choice([*self.w.prefill, *self.w.decode])
+            rank = rng.choice([*ranks, *decode])
             self.w.at(t0 + rng.uniform(0.0, 4.0), self.w.close_rank, rank)
 
     def _take(self, side: str, pool: str, n: int) -> list[int]:
@@ -178,7 +182,7 @@ class Engine:
             return
         rank, h = got
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in use.dst.items()}
-        sources = (PREFILL, *self.w.prefill[1:]) if use.decoy else use.sources
+        sources = (PREFILL, *self.w.instances[0][1:]) if use.decoy else use.sources
         self.w.call(rank, "expect", h, use.rid, sources, arrays, 1)
         rec = rank.proto.incoming.recvs.get(use.rid)
         if rec is not None and rec.handle is h:  # its writes carry this claim's generation
@@ -208,11 +212,13 @@ class Engine:
         self.w.call(rank, "write", h, arrays, last)
         c = self.w.config
         rng = self.w.rng
-        if not last and "pause" in c.faults and rng.random() < 0.05:
-            # Stopped between chunks, long enough to be declared lost (the worst moment), and
-            # half of the time past the decode ranks' drain bound, when they reuse the slots.
+        if "pause" in c.faults and rng.random() < 0.05 * (1 + last):
+            # Stopped between chunks (or, after the last, while its writes are in the driver),
+            # long enough to be declared lost (the worst moment), and half of the time past
+            # the decode ranks' drain bound, when they reuse the slots.
             low = c.dead_after_s if rng.random() < 0.5 else c.drain_s + 2 * c.dead_after_s
-            self.w.pause(rank.name, rng.uniform(min(low, c.max_pause_s), c.max_pause_s))
+            seconds = rng.uniform(min(low, c.max_pause_s), c.max_pause_s)
+            self.w.at(self.w.now + rng.uniform(0.0, 0.002), self.w.pause, rank.name, seconds)
 
     def _abort(self, use: Use, name: str) -> None:
         rank = self.w.ranks[name]
@@ -235,12 +241,11 @@ class Engine:
         """``rank``'s part of ``use`` is over: its handle is terminal, its process died, or it
         never made its call (it was gone or closing then)."""
         use.settled.add(rank)
-        for side, ranks in (("prefill", self.w.prefill), ("decode", self.w.decode)):
+        for side, ranks in (("prefill", use.prefill), ("decode", use.decode)):
             if side in use.freed or not use.settled.issuperset(ranks):
                 continue
             use.freed.add(side)
-            slots = use.src if side == "prefill" else use.dst
-            for pool, got in slots.items():
-                self.free[side][pool].extend(got)
+            for pool, got in (use.src if side == "prefill" else use.dst).items():
+                self.free[ranks[0]][pool].extend(got)
         if len(use.freed) == 2 and not use.decoy:
             self.retired.append(use.rid)

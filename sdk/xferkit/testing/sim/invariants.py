@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 RACES = frozenset({"abort", "timeout", "peer lost", "closed"})
 """Stages by which one side may fail a request the other side finished (an abort, a deadline
 or a loss racing the completion)."""
-FIRST_RANK = re.compile(r"\((P\d+|D\d+)\)")
+FIRST_RANK = re.compile(r"\(([PQRDEF]\d+)\)")
 """The first rank a text names: where a failure began."""
 ORIGIN = re.compile(r" at (?:prefill|decode) rank \d+ \(([^)]+)\): ")
 """Where a root-cause text says it happened (``core.stage_text``)."""
@@ -200,8 +200,9 @@ class Checker:
 
     def _exact(self, rank: Rank, h: Handle) -> None:
         use = h.use
-        index = self.w.decode.index(rank.name)
-        want = self.w.ref.expected(index, {p: (use.src[p], use.dst[p]) for p in use.dst})
+        index = use.decode.index(rank.name)
+        ref = self.w.refs[self.w.decodes.index(use.decode)]
+        want = ref.expected(index, {p: (use.src[p], use.dst[p]) for p in use.dst})
         for key, array in rank.memory.arrays.items():
             slots = use.dst.get(key[0])
             if slots is None:
@@ -218,7 +219,9 @@ class Checker:
 
     def _settled(self, use: Use) -> None:
         hs = list(use.handles.values())
-        if not all(h.terminal for h in hs) or len(hs) < len(self.w.ranks):
+        if use.decoy or not all(h.terminal for h in hs):
+            return
+        if len(hs) < len(use.prefill) + len(use.decode):
             return
         done = {h.side for h in hs if h.states[-1] is State.DONE}
         failed = [h for h in hs if h.states[-1] is State.FAILED]

@@ -24,22 +24,24 @@ UNWRITTEN = 0xA5
 """What a destination slot holds between its allocation and the first write of its request."""
 
 
-_STAGINGS: dict[tuple[int, int], Staging] = {}
+_STAGINGS: dict[tuple[int, int, int], Staging] = {}
 
 
-def _staging(rank: Rank, nbytes: int) -> Staging:
+def _staging(rank: Rank, nbytes: int, copy: int) -> Staging:
     """One staging buffer (and manifest) per reference rank and size, reused by every schedule:
     building its manifest was a tenth of a short schedule (the reference ranks live as long)."""
-    key = (id(rank), nbytes)
+    key = (id(rank), nbytes, copy)
     if key not in _STAGINGS:
         _STAGINGS[key] = Staging(rank.manifest, nbytes)
     return _STAGINGS[key]
 
 
 class Memory:
-    def __init__(self, rank: Rank, side: str, staging_bytes: int) -> None:
+    def __init__(self, rank: Rank, side: str, staging_bytes: int, copy: int = 0) -> None:
+        """``copy``: which instance's rank (instances share the reference's bytes, each has
+        a staging buffer of its own)."""
         self.arrays, self.side, self.stage = rank.arrays, side, rank.pp_stage
-        self.staging = _staging(rank, staging_bytes)  # the Session's, after the regions
+        self.staging = _staging(rank, staging_bytes, copy)  # the Session's, after the regions
         self.staging.buffer[:] = 0  # a schedule starts from a scrubbed buffer, as it replays
         self.manifest = self.staging.manifest
         base = int(self.staging.buffer.ctypes.data) if staging_bytes else 0

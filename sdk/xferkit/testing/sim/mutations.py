@@ -91,6 +91,7 @@ MUTATIONS = (
                 "if rec is None or dst is None or dst.gen != msg.gen:",
             ),
         ),
+        config=(("hostile_acts", 24),),  # Fails for the next ids, before anyone asks
     ),
     Mutation(
         "any-source-fails",
@@ -103,6 +104,7 @@ MUTATIONS = (
                 "if rec is None or rec.gen != msg.gen:",
             ),
         ),
+        config=(("hostile_acts", 24),),  # the hostile prefill forges more
     ),
     Mutation(
         "welcome-of-a-live-pair",
@@ -267,7 +269,7 @@ MUTATIONS = (
                 "rec.acks.clear()\nself.incoming.settle(rec)",
             ),
         ),
-        config=(("close_p", 0.3),),  # Sessions closed often, writes in flight
+        config=(("close_p", 0.5), ("requests", 10)),  # Sessions closed often, writes in flight
     ),
 )
 

@@ -1,7 +1,8 @@
 """The simulated world: ranks running the real protocol core, one clock, one seeded scheduler.
 
-``World`` owns every rank (prefill and decode TP groups, each rank a
-``Protocol`` with the same settings a Session gives it), a heap of timed
+``World`` owns every rank (prefill instances of TP x PP ranks, each
+bootstrapping its group, and a decode TP group; each rank a ``Protocol``
+with the same settings a Session gives it), a heap of timed
 events, and the parts that stand in for I/O: the network, the driver, the
 engine, a hostile peer and the invariant checker. Every event is one call
 into one rank's core; its actions are carried out at once, exactly as the
@@ -29,7 +30,7 @@ from ...session.core import DRAIN_S, Settings
 from ...session.protocol import Protocol
 from ..models import gdn_hybrid
 from ..reference import Reference
-from .config import Config
+from .config import DECODE_INSTANCES, INSTANCES, Config
 from .driver import Driver
 from .engine import Engine, Handle
 from .hostile import HOSTILE, PREFILL, Hostile
@@ -50,9 +51,12 @@ BACKLOG_S = 0.0005
 
 
 @cache
-def reference(prefill_tp: int, decode_tp: int, kv: int, state: int, pp: int) -> Reference:
+def reference(
+    prefill_tp: int, decode_tp: int, kv: int, state: int, pp: int, copy: int = 0
+) -> Reference:
     """One model's memory per shape, reused by every schedule (each allocation scrubs its
-    destination slots, so nothing a schedule left behind can pass for a later write)."""
+    destination slots, so nothing a schedule left behind can pass for a later write); each
+    decode instance writes its own ``copy`` (the same seed: the same source bytes)."""
     slots = {"kv": kv, "state": state}
     return Reference(gdn_hybrid(), src_tp=prefill_tp, dst_tp=decode_tp, src_pp=pp, src_slots=slots,
                      dst_slots=slots)  # fmt: skip
@@ -61,8 +65,11 @@ def reference(prefill_tp: int, decode_tp: int, kv: int, state: int, pp: int) -> 
 class Rank:
     """One rank: its memory (from the reference), its current incarnation's core and state."""
 
-    def __init__(self, world: World, name: str, role: str, memory: Memory) -> None:
+    def __init__(
+        self, world: World, name: str, role: str, memory: Memory, instance: list[str]
+    ) -> None:
         self.w, self.name, self.role, self.memory = world, name, role, memory
+        self.instance = instance  # the ranks of its instance (the first serves its group)
         self.stage = memory.stage  # its pipeline stage
         self.driver_name = f"sim:{name}-drv"
         self.incarnation = 0
@@ -113,8 +120,9 @@ class Rank:
             clock=lambda: self.local(self.w.now),
             secret=w.rng.randbytes(16),
         )
-        joins = c.groups > 0 and self.role == "prefill" and self.name != w.prefill[0]
-        self.proto = Protocol(settings, group=w.prefill[0] if joins else None)  # P0 serves it
+        server = self.instance[0]
+        joins = c.groups > 0 and self.role == "prefill" and self.name != server
+        self.proto = Protocol(settings, group=server if joins else None)
         w.apply(self, self.proto.start())
         w.schedule_timer(self)
 
@@ -131,21 +139,30 @@ class World:
         self._seq = 0
         self.trace: list[str] | None = [] if trace else None
         self._awake_s = (config.dead_after_s - config.heartbeat_s) / 2  # the longest a core sleeps
-        ref = reference(config.prefill_tp, config.decode_tp, config.kv_slots, config.state_slots,
-                        config.prefill_pp)  # fmt: skip
-        self.ref = ref
-        self.prefill = [f"P{i}" for i in range(config.prefill_tp * config.prefill_pp)]
-        self.decode = [f"D{i}" for i in range(config.decode_tp)]
+        c = config
+        self.refs = [
+            reference(c.prefill_tp, c.decode_tp, c.kv_slots, c.state_slots, c.prefill_pp, k)
+            for k in range(c.decode_instances)
+        ]
+        ref = self.refs[0]
+        n = config.prefill_tp * config.prefill_pp
+        self.instances = [[f"{x}{i}" for i in range(n)] for x in INSTANCES[: config.instances]]
+        self.prefill = [name for ranks in self.instances for name in ranks]
+        self.decodes = [
+            [f"{x}{i}" for i in range(config.decode_tp)]
+            for x in DECODE_INSTANCES[: config.decode_instances]
+        ]
+        self.decode = [name for ranks in self.decodes for name in ranks]
         self.ranks: dict[str, Rank] = {}
         self.claims: dict[tuple[str, str], set[str]] = {}  # (prefill, rid) -> who claimed first
-        for i, name in enumerate(self.prefill):
-            self.ranks[name] = Rank(
-                self, name, "prefill", Memory(ref.srcs[i], "src", config.staging_bytes)
-            )
-        for i, name in enumerate(self.decode):
-            self.ranks[name] = Rank(
-                self, name, "decode", Memory(ref.dsts[i], "dst", config.staging_bytes)
-            )
+        for k, ranks in enumerate(self.instances):
+            for i, name in enumerate(ranks):
+                memory = Memory(ref.srcs[i], "src", config.staging_bytes, k)
+                self.ranks[name] = Rank(self, name, "prefill", memory, ranks)
+        for k, ranks in enumerate(self.decodes):
+            for i, name in enumerate(ranks):
+                memory = Memory(self.refs[k].dsts[i], "dst", config.staging_bytes)
+                self.ranks[name] = Rank(self, name, "decode", memory, ranks)
         self.net = Network(self)
         self.driver = Driver(self)
         self.engine = Engine(self)
