@@ -319,7 +319,7 @@ class Checker:
         held, and one a live member holds never changes hands."""
         p, key, now = rank.proto, (msg.tp_rank, msg.pp_rank), rank.local(self.w.now)
         got = p.roster.members.get(key)
-        if not ident.startswith(HOSTILE.encode()):
+        if not ident.startswith(HOSTILE.encode()):  # an honest member
             if got is not None and got[1] == ident:  # the member holding the place is live
                 self.joins[rank.name, key] = now
             return

@@ -1,8 +1,8 @@
 """The simulated world: ranks running the real protocol core, one clock, one seeded scheduler.
 
 ``World`` owns every rank (prefill instances of TP x PP ranks, each
-bootstrapping its group, and a decode TP group; each rank a ``Protocol``
-with the same settings a Session gives it), a heap of timed
+bootstrapping its group, and decode instances of TP ranks; each rank a
+``Protocol`` with the same settings a Session gives it), a heap of timed
 events, and the parts that stand in for I/O: the network, the driver, the
 engine, a hostile peer and the invariant checker. Every event is one call
 into one rank's core; its actions are carried out at once, exactly as the
@@ -38,11 +38,6 @@ from .invariants import Checker, Violation
 from .memory import Memory
 from .network import Network
 from .trace import brief
-
-
-def wire_place(join: wire.Join) -> tuple[int, int]:
-    return (join.tp_rank, join.pp_rank)
-
 
 HOSTILE_IDENT = HOSTILE.encode()
 
@@ -211,7 +206,7 @@ class World:
         if forged and isinstance(msg, wire.Request):
             self.hostile_first(rank, args[0][1], msg.rid)
         join = msg if isinstance(msg, wire.Join) else None
-        held = None if join is None else rank.proto.roster.members.get(wire_place(join))
+        held = None if join is None else rank.proto.roster.members.get((join.tp_rank, join.pp_rank))
         actions = getattr(rank.proto, method)(*args, self.now + rank.offset)
         if actions:
             self.apply(rank, actions)
