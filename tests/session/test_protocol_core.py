@@ -520,27 +520,3 @@ def test_a_completion_before_the_request_asked_its_source_is_dropped() -> None:
         assert h.state is State.DONE
         assert h.states == sorted(h.states)  # forward only: WAITING before TRANSFERRING
         assert State.WAITING in h.states
-
-
-def test_a_prefill_resuming_after_it_was_declared_lost_answers_the_aborts_sent_meanwhile() -> None:
-    """Before (found by tests/hosts' freeze drill): a prefill rank that resumed dropped its
-    lost pairs, then the decode rank's Abort as "from a peer that never said Hello"; with no
-    AbortAck the decode rank kept the slots until the drain bound, 10 s more."""
-    net = Net()
-    net.handshake()
-    recv = net.expect("r", {"kv": [1, 2]})
-    net.deliver()
-    net.offer("r")
-    net.write("r", {"kv": [3]}, last=False)
-    net.finish_all()
-    net.deliver()
-    while recv.failing is None:  # SIGSTOP: the decode rank alone runs, and declares it lost
-        net.now += 0.05
-        net.apply("dec", net.dec.timer(net.now))
-    assert recv.failing.stage == "peer lost" and recv.state is not State.FAILED
-    lost_at = net.now
-    net.deliver()  # SIGCONT: the prefill reads the Abort and Bye the decode rank sent it
-    assert net.handles["pre", "r"].state is State.FAILED  # it knows it was stopped
-    assert recv.state is State.FAILED  # answered: no drain bound to wait out
-    assert net.now - lost_at < net.dec.s.drain_s
-    assert str(recv.error) == str(recv.failing)

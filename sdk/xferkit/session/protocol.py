@@ -196,11 +196,6 @@ class Protocol:
             return
         down = self.pairs.downs.get(ident)
         if down is None:
-            if isinstance(msg, wire.Abort) and all(
-                dst.down.ident != ident for _, dst, _ in self.outgoing.writes.values()
-            ):  # a pair dropped here (this rank was stopped): nothing is in flight to it
-                self.out.send(("down", ident), wire.AbortAck(rid=msg.rid, gen=msg.gen))
-                return
             log.warning("%s: %s from a peer that never said Hello: dropped", self.s.address,
                         type(msg).__name__)  # fmt: skip
             return
@@ -211,8 +206,12 @@ class Protocol:
         elif isinstance(msg, wire.Bye):
             self._lose_down(down, f"{down.where()} closed its session: {msg.reason}")
         elif not (down.ready or (down.error is not None and isinstance(msg, wire.Request))):
-            log.warning("%s: %s from %s before its Welcome: dropped", self.s.address,
-                        type(msg).__name__, down.where())  # fmt: skip
+            log.warning(
+                "%s: %s from %s before its Welcome: dropped",
+                self.s.address,
+                type(msg).__name__,
+                down.where(),
+            )
         elif isinstance(msg, wire.Request):
             self.outgoing.request(down, msg, now)
         elif isinstance(msg, wire.Abort | wire.Fail):
@@ -222,8 +221,12 @@ class Protocol:
         elif isinstance(msg, wire.Renew):
             self.outgoing.renew(msg.rids, now)
         else:
-            log.warning("%s: unexpected %s from %s: dropped", self.s.address,
-                        type(msg).__name__, down.where())  # fmt: skip
+            log.warning(
+                "%s: unexpected %s from %s: dropped",
+                self.s.address,
+                type(msg).__name__,
+                down.where(),
+            )
 
     def _from_up(self, up: Up, msg: wire.Message, now: float) -> None:
         if isinstance(msg, wire.Welcome):
