@@ -220,6 +220,30 @@ def test_failed_is_said_only_once_the_source_confirmed_nothing_is_in_flight() ->
     assert str(net.handles["pre", "r"].error) == str(recv.error)
 
 
+def test_a_decode_rank_that_said_bye_still_gets_the_abortack_it_waits_for() -> None:
+    """Before (CI, tests/session's paused-prefill test): a decode rank lost its prefill, sent
+    Abort then Bye; the resumed prefill had posted the engine's chunk first, so the write was
+    still in the driver when the Bye marked the rank lost, and once it ended the AbortAck was
+    skipped for a lost rank. The decode request drained to the prefill's drain bound (35 s)
+    instead of failing at once."""
+    net = Net()
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)  # posted before the prefill reads its socket
+    (write,) = net.writes.values()
+    net.abort("dec", "r")
+    net.apply("dec", net.dec.timer(net.now))
+    bye = wire.Bye(incarnation=net.dec.s.incarnation, reason="lost")
+    net.to_pre.append((b"D", bye))  # the decode rank's Bye, behind its Abort
+    net.deliver()
+    assert write.cancelled and recv.state is not State.FAILED
+    net.finish(write.wid)
+    net.deliver()
+    assert recv.state is State.FAILED and net.failed_with_writes == []
+
+
 def test_a_silent_source_keeps_the_slots_out_of_reuse_until_its_drain_bound() -> None:
     """A prefill rank that stops answering (paused, partitioned) may still write: the decode
     request drains until the bound derived from the source's own deadlines."""

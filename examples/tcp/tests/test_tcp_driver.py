@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import pytest
-
 import xferkit as xk
 from xferkit.testing.conformance import BackendConformance
 
@@ -28,6 +26,16 @@ class _CarelessTcp(BackendConformance):
 
 
 def test_the_kit_catches_a_receiver_writing_after_the_sender_gave_up() -> None:
-    """Before, the frozen-peer test checked only the sender's deadline: this receiver passed."""
-    with pytest.raises(AssertionError, match="bytes landed in the receiver"):
-        _CarelessTcp().test_cross_process_frozen_peer_meets_the_deadline()
+    """Before, the frozen-peer test checked only the sender's deadline: this receiver passed.
+    The late bytes show only if the frame reached the frozen receiver's kernel before the
+    deadline; a CI machine once stalled the sender past it (nothing landed, nothing to catch),
+    so the kit has three tries."""
+    caught = []
+    for _ in range(3):
+        try:
+            _CarelessTcp().test_cross_process_frozen_peer_meets_the_deadline()
+        except AssertionError as exc:
+            caught.append(str(exc))
+            break
+    assert caught, "the kit passed a receiver that applies frames after the sender gave up"
+    assert "bytes landed in the receiver" in caught[0], caught[0]

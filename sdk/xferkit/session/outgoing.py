@@ -352,8 +352,8 @@ class Outgoing:
         else:  # not offered yet: offer() will report it
             self.ledger.failed_early(rec.rid, rec.error)
         ack, gone = rec.ack, rec.gone
-        for dst in rec.dsts.values():
-            if dst.down is gone or dst.down.lost:
+        for dst in rec.dsts.values():  # a rank lost here (its Bye, its silence) still
+            if dst.down is gone:  # waits for this answer: only a closed connection does not
                 continue
             if dst.down is ack:
                 self.out.send(dst.down.conn, wire.AbortAck(rid=rec.rid, gen=dst.gen))
