@@ -324,6 +324,23 @@ class Backend(Closing):
         expect(peer, Peer, f"{self.name}: disconnect()")
         self._disconnect(peer)
 
+    def fence(self, source: str) -> None:
+        """Cut every connection the peer ``source`` (``Notification.peer``'s spelling) made
+        from an endpoint of before: from return on none of their bytes lands here, whatever
+        was in flight (``capabilities.fencing``), and ``endpoint()`` is new (a connection
+        made from it works)."""
+        self._check_open("fence")
+        expect(source, str, f"{self.name}: fence()")
+        if not self.capabilities.fencing:
+            raise CapabilityError(f"{self.name} cannot fence a peer (capabilities.fencing)")
+        prefix = f"{self.name}:"
+        if not source.startswith(prefix) or source == prefix:
+            raise ProtocolError(f"{self.name}: fence({source!r}): not a {self.name} peer")
+        try:
+            self._driver.fence(source[len(prefix) :])
+        except Exception as exc:
+            raise self._wrap(exc, f"fencing {source}", source) from exc
+
     def _disconnect(self, peer: Peer) -> None:
         with self._lock:
             if peer not in self._peers:

@@ -67,6 +67,13 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     copy_cost: float = COPY_COST
     """What one byte copied locally (packing, unpacking) costs, in bytes on this driver's wire:
     its large-copy bandwidth over the local copier's (above 1 where the wire is faster)."""
+    fencing: bool = False
+    """Whether ``fence(source)`` works: once it returns, nothing the peer ``source`` sends
+    through a connection made from an endpoint of before lands here, whatever is in flight,
+    and ``endpoint()`` has changed (a connection made from the new one works). A decode
+    rank that loses a source then reports FAILED once fenced, not after the source's drain
+    bound. A NIC that invalidates the keys it gave the peer can; the bundled drivers
+    cannot (examples/tcp can)."""
 
     def __post_init__(self) -> None:
 
@@ -82,7 +89,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if problem:
                 raise OptionError(f"capabilities: {problem}")
-        for field in ("notifications", "cross_process"):
+        for field in ("notifications", "cross_process", "fencing"):
             if type(getattr(self, field)) is not bool:
                 raise OptionError(f"capabilities: {field} must be a bool")
 
@@ -161,6 +168,12 @@ class Driver(ABC):
     @abstractmethod
     def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
         """Start one batch of 1..``max_batch`` checked descriptors; deliver ``notify`` after it."""
+
+    def fence(self, source: str) -> None:
+        """Cut every connection the peer ``source`` (its ``address``, as notifications name
+        it) made from an endpoint of before: from return on none of their bytes lands, sent
+        before or after, and ``endpoint()`` is new. Required when ``fencing`` is declared."""
+        raise NotImplementedError(f"{self.name} cannot fence a peer")
 
     def notify(self, link: Any, message: bytes) -> Posted:
         """Send a notification alone (no data). Required when ``notifications`` is declared."""

@@ -103,6 +103,7 @@ class Net:
         self.finished: dict[str, list[str]] = {"pre": [], "dec": []}
         self.failed_with_writes: list[str] = []  # rids FAILED on decode while writes were live
         self.paired: list[tuple[str, str, str]] = []  # (role, peer, event) as on_pair is told
+        self.fences: list[str] = []  # the sources the decode core asked its driver to fence
         self.dec_conn: tuple = ("up", "P", 0)  # the decode core's open connection to P
 
     # -- carrying out actions --------------------------------------------------------
@@ -127,6 +128,8 @@ class Net:
             elif isinstance(a, act.Post):
                 tag = wire.decode_tag(a.note) if a.note else None
                 self.writes[a.wid] = Write(a.wid, tag.rid if tag else "", a.peer, a.note)
+            elif isinstance(a, act.Fence):
+                self.fences.append(a.source)
             elif isinstance(a, act.Cancel):
                 if a.wid in self.writes:
                     self.writes[a.wid].cancelled = True

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 import msgspec
-from core_harness import SLOTS, Net, endpoint
+from core_harness import SLOTS, Handle, Net, endpoint
 from core_harness import settings as core_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -244,29 +244,74 @@ def test_a_decode_rank_that_said_bye_still_gets_the_abortack_it_waits_for() -> N
     assert recv.state is State.FAILED and net.failed_with_writes == []
 
 
-def test_a_silent_source_keeps_the_slots_out_of_reuse_until_its_drain_bound() -> None:
-    """A prefill rank that stops answering (paused, partitioned) may still write: the decode
-    request drains until the bound derived from the source's own deadlines."""
-    net = Net()
+def _silent_source(net: Net) -> Handle:
+    """A request whose source goes silent with its write in the driver, until it is lost."""
     net.handshake()
     recv = net.expect("r", {"kv": [1]})
     net.deliver()
     net.offer("r")
     net.write("r", {"kv": [2]}, last=True)
     net.to_dec.clear()  # from here on the prefill is silent: nothing reaches the decode rank
-    s = net.dec.s
-    t = 0.0
-    while recv.failing is None and t < 3 * s.dead_after_s:
+    while recv.failing is None and net.now < 3 * net.dec.s.dead_after_s:
         net.now += 0.05
-        t += 0.05
         net.apply("dec", net.dec.timer(net.now))
         net.to_pre.clear()
     assert recv.failing is not None and recv.failing.stage == "peer lost"
+    return recv
+
+
+def test_a_silent_source_keeps_the_slots_out_of_reuse_until_its_drain_bound() -> None:
+    """A prefill rank that stops answering (paused, partitioned) may still write: the decode
+    request drains until the bound derived from the source's own deadlines."""
+    net = Net()
+    recv = _silent_source(net)
     lost_at = net.now
     while recv.state is not State.FAILED and net.now < lost_at + 60:
         net.now += 0.05
         net.apply("dec", net.dec.timer(net.now))
-    assert net.now - lost_at >= s.drain_s  # not before the source's own drain bound
+    assert net.now - lost_at >= net.dec.s.drain_s  # not before the source's own drain bound
+    assert net.fences == []  # the loopback cannot fence
+
+
+def test_a_driver_that_fences_ends_a_lost_sources_request_once_fenced() -> None:
+    """With a fencing driver the decode rank asks it to cut the lost source's connections and
+    says FAILED once it did, not after the source's drain bound; not before it either."""
+    net = Net(fencing=True)
+    recv = _silent_source(net)
+    assert net.fences == ["loopback:p-drv"]
+    net.now += 1.0
+    net.apply("dec", net.dec.timer(net.now))
+    assert recv.state is not State.FAILED  # the fence is not done yet
+    net.apply("dec", net.dec.fenced("loopback:p-drv", "", b"new", net.now))
+    assert recv.state is State.FAILED and recv.error is not None
+    assert recv.error.stage == "peer lost"
+
+
+def test_a_fence_that_fails_leaves_the_request_draining_to_its_bound() -> None:
+    net = Net(fencing=True)
+    recv = _silent_source(net)
+    lost_at = net.now
+    net.apply("dec", net.dec.fenced("loopback:p-drv", "the NIC said no", b"", net.now))
+    assert recv.state is not State.FAILED
+    while recv.state is not State.FAILED and net.now < lost_at + 60:
+        net.now += 0.05
+        net.apply("dec", net.dec.timer(net.now))
+    assert net.now - lost_at >= net.dec.s.drain_s
+
+
+def test_a_closed_connection_is_fenced_too_where_the_driver_can() -> None:
+    """A killed prefill's kernel still delivers what its sockets held (tests/hosts measured a
+    megabyte on Mooncake after the connection closed): a fencing driver cuts it."""
+    net = Net(fencing=True)
+    net.handshake()
+    recv = net.expect("r", {"kv": [1]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [2]}, last=True)
+    net.apply("dec", net.dec.disconnected(net.dec_conn, net.now))
+    assert net.fences == ["loopback:p-drv"] and recv.state is not State.FAILED
+    net.apply("dec", net.dec.fenced("loopback:p-drv", "", b"new", net.now))
+    assert recv.state is State.FAILED
 
 
 def test_a_paused_prefill_writes_nothing_more_to_its_decode_ranks() -> None:

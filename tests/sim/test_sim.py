@@ -58,6 +58,14 @@ def test_a_transport_that_stops_with_its_process_is_caught() -> None:
     assert any(v.invariant == 1 and "not offered" in v.what for v in found)
 
 
+def test_a_driver_that_fences_survives_a_transport_that_stops_with_its_process() -> None:
+    """The same schedules with decode drivers that fence (``Capabilities.fencing``): the
+    decode rank cuts a lost source's links before it says FAILED, and nothing lands."""
+    config = Config(faults=FAULTS | {"frozen"}, fencing=True)
+    found = [v for s in range(120) for v in run(s, config).violations]
+    assert found == [], found[0]
+
+
 def test_a_driver_that_lands_bytes_after_a_write_ended_is_caught() -> None:
     """The harsh ``late`` driver (UCX over TCP did this) breaks invariant 1, which no
     control plane can prevent without fencing: the checker must see it."""
@@ -110,18 +118,19 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     staging=st.sampled_from(["never", "auto", "always"]),
     staging_bytes=st.sampled_from([1 << 14, 1 << 16]),
     notifying=st.booleans(),
+    fencing=st.booleans(),
 )
 def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
     seed: int, prefill: int, stages: int, instances: int, decode: int, decodes: int,
     requests: int,
     faults: frozenset[str], heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
-    notifying: bool,
+    notifying: bool, fencing: bool,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, prefill_pp=stages, instances=instances, decode_tp=decode,
         decode_instances=decodes, requests=requests, faults=faults, heartbeat_s=heartbeat,
         dead_after_s=heartbeat * dead_after, staging=staging, staging_bytes=staging_bytes,
-        notifying=notifying,
+        notifying=notifying, fencing=fencing,
     )  # fmt: skip
     result = run(seed, config)
     assert result.violations == [], f"replay: run({seed}, {config})"

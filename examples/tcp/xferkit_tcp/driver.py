@@ -13,6 +13,9 @@ get right: once the sender has reported a batch ended, no byte of it lands.
 - The receiver applies a frame only after reading everything its socket
   holds: a frame followed by an ABORT for it, by end of connection or by a
   reset is dropped, never written.
+- It fences (``fencing``): ``fence(source)`` refuses from then on every frame of
+  the links ``source`` made from an endpoint of before, on any connection they
+  open; the endpoint's new epoch makes the links of a new handshake work.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class TcpBlob(msgspec.Struct, frozen=True):
     host: str
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     generation: Annotated[int, msgspec.Meta(ge=0)]  # of the receiver's registrations
+    epoch: Annotated[int, msgspec.Meta(ge=0)] = 0  # of its fences: links from before are cut
 
 
 class _Batch(QueuedBatch):
@@ -103,7 +107,8 @@ class _Link:
         if self.sock is None:
             sock = socket.create_connection((self.blob.host, self.blob.port), timeout=5)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(wire.encode(wire.HELLO, body=self.driver.address.encode()))
+            hello = f"{self.driver.address} {self.blob.epoch}".encode()
+            sock.sendall(wire.encode(wire.HELLO, body=hello))
             sock.setblocking(False)
             self.sock, self.replies = sock, bytearray()
         return self.sock
@@ -185,7 +190,7 @@ class _Inbound(threading.Thread):
     def __init__(self, driver: TcpDriver, sock: socket.socket) -> None:
         super().__init__(name="tcp-receive", daemon=True)
         self.driver, self.sock = driver, sock
-        self.sender = "?"
+        self.sender, self.epoch = "?", 0
         self.buf = bytearray()
         self.frames: deque[wire.Frame] = deque()
         self.aborted: set[int] = set()
@@ -227,10 +232,11 @@ class _Inbound(threading.Thread):
 
     def handle(self, f: wire.Frame) -> None:
         if f.kind == wire.HELLO:
-            self.sender = f.body.decode()
+            sender, _, epoch = f.body.decode().partition(" ")
+            self.sender, self.epoch = sender, int(epoch or 0)
             return
         revoked = f.id in self.aborted and not self.driver.options.careless
-        error = "aborted by the sender" if revoked else self.driver.apply(f)
+        error = "aborted by the sender" if revoked else self.driver.apply(f, self)
         if error is None and f.notify is not None:
             self.driver.deliver(self.sender, f.notify)
         reply = wire.DONE if error is None else wire.FAILED
@@ -254,6 +260,7 @@ class TcpDriver(Driver):
             memory=frozenset({"cpu"}),
             notifications=True,
             cross_process=True,
+            fencing=True,
             max_batch=MAX_BATCH,
             descriptor_bytes=DESCRIPTOR_BYTES,
             copy_cost=COPY_COST,
@@ -268,6 +275,8 @@ class TcpDriver(Driver):
         self.generation = 0
         self.inbox: deque[tuple[str, bytes]] = deque()
         self.inbound: list[_Inbound] = []
+        self.epoch = 0  # the fences so far: a link made from an endpoint of epoch e says e
+        self.fenced: dict[str, int] = {}  # sender -> its links of this epoch or older are cut
         self.acceptor = threading.Thread(target=self.accept, name="tcp-accept", daemon=True)
         self.acceptor.start()
 
@@ -286,9 +295,11 @@ class TcpDriver(Driver):
                 self.inbound = [t for t in self.inbound if t.is_alive()] + [inbound]
             inbound.start()
 
-    def apply(self, f: wire.Frame) -> str | None:
+    def apply(self, f: wire.Frame, inbound: _Inbound) -> str | None:
         """Write a frame into registered memory, checked now (as a NIC checks remote keys)."""
         with self.lock:
+            if inbound.epoch <= self.fenced.get(inbound.sender, -1):
+                return f"fenced: {self.address} cut the links {inbound.sender} held"
             if f.generation != self.generation:
                 return f"stale endpoint: {self.address} re-registered its memory"
             if not len(f.dst):
@@ -304,6 +315,14 @@ class TcpDriver(Driver):
             for d, o, n in zip(f.dst.tolist(), offsets.tolist(), f.nbytes.tolist(), strict=True):
                 ctypes.memmove(d, base + o, n)
         return None
+
+    def fence(self, source: str) -> None:
+        """Cut every link ``source`` made from an endpoint of before: their frames are refused
+        from now on (a frame applies under ``lock``), on any connection they open again; the
+        endpoint's new epoch makes the links of a new ``connect`` (a new handshake) work."""
+        with self.lock:
+            self.fenced[source] = self.epoch
+            self.epoch += 1
 
     def deliver(self, sender: str, message: bytes) -> None:
         with self.lock:
@@ -322,7 +341,8 @@ class TcpDriver(Driver):
             self.generation += 1
 
     def endpoint(self) -> TcpBlob:
-        return TcpBlob(self.options.host, self.port, self.generation)
+        with self.lock:
+            return TcpBlob(self.options.host, self.port, self.generation, self.epoch)
 
     def connect(self, blob: Any, manifest: Manifest) -> _Link:
         link = _Link(self, blob)

@@ -1,8 +1,9 @@
 """The TCP example driver's frames: one fixed header, then the frame's own bytes.
 
-Sender to receiver: HELLO (the sender's address), BATCH (destinations, sizes, the
-notification, the payload; a notification alone is a BATCH of no descriptor),
-ABORT (a batch id). Receiver to sender: DONE or FAILED (a batch id, the reason).
+Sender to receiver: HELLO (the sender's address and the fence epoch of the
+endpoint its link was made from), BATCH (destinations, sizes, the notification,
+the payload; a notification alone is a BATCH of no descriptor), ABORT (a batch
+id). Receiver to sender: DONE or FAILED (a batch id, the reason).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Frame(NamedTuple):
     dst: np.ndarray  # uint64
     nbytes: np.ndarray  # uint64
     notify: bytes | None
-    body: bytes  # the payload (BATCH), the address (HELLO), the reason (FAILED)
+    body: bytes  # the payload (BATCH), address and epoch (HELLO), the reason (FAILED)
 
 
 def encode(

@@ -99,6 +99,14 @@ class Cancel:
 
 
 @dataclass(slots=True, frozen=True)
+class Fence:
+    """Cut the lost prefill rank ``source``'s connections into our memory (``Backend.fence``,
+    data-plane worker); answered by ``Protocol.fenced(source, error)``."""
+
+    source: str
+
+
+@dataclass(slots=True, frozen=True)
 class Move:
     """``handle`` moves forward to ``state`` (never back, never out of a terminal state)."""
 
@@ -161,6 +169,7 @@ Action = (
     | Disconnect
     | Post
     | Cancel
+    | Fence
     | Move
     | Failing
     | Failed

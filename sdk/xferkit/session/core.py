@@ -74,6 +74,7 @@ class Settings:
     endpoint: bytes
     fingerprint: str
     notifying: bool  # the driver carries completion tags on notifications
+    fencing: bool = False  # the driver can cut a lost source's connections (Backend.fence)
     descriptor_bytes: int = 4096
     copy_cost: float = 1.0
     staging: str = "never"  # "auto", "always" or "never"

@@ -1,16 +1,17 @@
 """The data-plane worker: the thread that calls the driver for the control plane.
 
-Polls, aborts, connects, disconnects and every large post run here, never on the
-control thread, so that no driver call (NIXL copies host memory inside its post)
-can delay a heartbeat; a small post (``INLINE_BYTES``) of a driver whose posts
-are quick (``INLINE_S``) goes out at once from the control thread when nothing
-waits here, as a hand-over would cost more than the post. Each action comes from
-the protocol core; each result goes back to it through ``report`` (the shell's
-event queue): ``("connected", ident, peer, generation, error)``,
-``("write_ended", wid, error)`` and, for a poll, ``("writes_ended", [(wid,
-error, seconds inside the driver's post), ...])``. A post still queued when
-this process was stopped for longer than its ``horizon`` is refused, not made
-(the worker sees the stop as a wait that overran).
+Polls, aborts, connects, disconnects, fences and every large post run here,
+never on the control thread, so that no driver call (NIXL copies host memory
+inside its post) can delay a heartbeat; a small post (``INLINE_BYTES``) of a
+driver whose posts are quick (``INLINE_S``) goes out at once from the control
+thread when nothing waits here, as a hand-over would cost more than the post.
+Each action comes from the protocol core; each result goes back to it through
+``report`` (the shell's event queue): ``("connected", ident, peer, generation,
+error)``, ``("fenced", source, error, new endpoint)``, ``("write_ended", wid,
+error)`` and, for a poll, ``("writes_ended", [(wid, error, seconds inside the
+driver's post), ...])``. A post still queued when this process was stopped for
+longer than its ``horizon`` is refused, not made (the worker sees the stop as
+a wait that overran).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ requests quadratic."""
 
 
 class DataPlane:
-    """Carries out ``Connect``, ``Disconnect``, ``Post`` and ``Cancel`` on one thread."""
+    """Carries out ``Connect``, ``Disconnect``, ``Fence``, ``Post`` and ``Cancel`` on one
+    thread."""
 
     def __init__(
         self, backend: Backend, report: Callable[[tuple[Any, ...]], None], name: str
@@ -195,6 +197,13 @@ class DataPlane:
                 self.report(("connected", action.key, None, 0, str(exc)))
                 return
             self.report(("connected", action.key, peer, peer.generation, ""))
+        elif isinstance(action, act.Fence):
+            try:
+                self.backend.fence(action.source)
+            except XferError as exc:
+                self.report(("fenced", action.source, str(exc), b""))
+                return
+            self.report(("fenced", action.source, "", self.backend.endpoint()))
         elif isinstance(action, act.Disconnect):
             try:
                 self.backend.disconnect(action.peer)

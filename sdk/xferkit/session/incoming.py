@@ -11,7 +11,8 @@ failures count only from the sources the request named.
 
 FAILED means no byte can land any more: a failing request asks every source
 it named slots to for an ``AbortAck`` and reports FAILED once each answered,
-or its connection closed (the process is gone), or the bound derived from the
+or the driver fenced a lost one (``Fence``), or, on a driver that cannot fence,
+its connection closed (the process is gone), or the bound derived from the
 source's own deadlines passed (its ``drain_s`` plus ``dead_after_s`` after the
 abort). Until then the handle is draining: ``failing`` holds the root cause.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from ..errors import PlanError
 from ..planner import Coverage, coverage
 from ..staging import FORCE, stage
+from . import actions as act
 from . import wire
 from .core import Out, Settings, log, stage_text
 from .pairs import Pairs, Up
@@ -72,6 +74,7 @@ class Incoming:
         self.gen = 0
         self._coverage: dict[tuple[tuple[str, int], ...], Coverage | PlanError] = {}
         self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
+        self.fences: dict[str, str] = {}  # driver name -> address: fences not yet answered
         self.unpacker = Unpacker(s)
 
     now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
@@ -271,15 +274,41 @@ class Incoming:
             self.fail(rec, stage, t, up.address, now, formatted=True, quiet=frozenset({up.address}))
 
     def pair_lost(self, up: Up, why: str, stage: str, gone: bool, now: float) -> None:
-        """``up`` is lost; ``gone``: its connection closed, so it writes nothing more."""
-        quiet = frozenset({up.address}) if gone else frozenset()
+        """``up`` is lost; ``gone``: its connection closed, so it writes nothing more. A
+        driver that fences cuts its connections instead, which proves more: a killed
+        process's socket buffers still deliver (tests/hosts measured a megabyte)."""
+        quiet = frozenset({up.address}) if gone and not self.s.fencing else frozenset()
         for rec in [r for r in self.recvs.values() if up.address in r.sources]:
             self.fail(rec, stage, why, up.address, now, quiet=quiet)
+        if self.s.fencing and up.driver_name and self._waited_for(up.address):
+            self.fences[up.driver_name] = up.address
+            self.out.add(act.Fence(up.driver_name))
 
     def pair_gone(self, up: Up, now: float) -> None:
-        """A lost ``up``'s connection closed: its process is gone, nothing more lands."""
-        for rec in [r for r in self.recvs.values() if up.address in r.acks]:
-            rec.acks.discard(up.address)
+        """A lost ``up``'s connection closed: its process is gone, nothing more lands (its
+        fence settles what waits for it, where the driver fences)."""
+        if not self.s.fencing:
+            self._stopped(up.address)
+
+    def fenced(self, source: str, error: str, endpoint: bytes) -> None:
+        """The driver cut ``source``'s connections into our memory and gave a new endpoint
+        for the next handshakes (``error``: it could not; what waited drains to its bound)."""
+        if endpoint:
+            self.pairs.endpoint = endpoint
+        address = self.fences.pop(source, None)
+        if address is None:
+            return
+        if error:
+            log.error("%s: fencing %s: %s", self.s.address, source, error)
+        else:
+            self._stopped(address)
+
+    def _waited_for(self, address: str) -> bool:
+        return any(address in r.acks for r in self.recvs.values())
+
+    def _stopped(self, address: str) -> None:
+        for rec in [r for r in self.recvs.values() if address in r.acks]:
+            rec.acks.discard(address)
             self.settle(rec)
 
     # -- messages from prefill ranks -------------------------------------------------

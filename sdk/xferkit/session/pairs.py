@@ -140,6 +140,7 @@ class Pairs:
         self.backoff: dict[str, Backoff] = {}
         self.downs: dict[bytes, Down] = {}
         self.down_drivers: dict[str, Down] = {}
+        self.endpoint = s.endpoint  # new after each fence: links from the old one are cut
 
     # -- decode side -----------------------------------------------------------------
 
@@ -158,7 +159,7 @@ class Pairs:
         self.out.add(act.Open(up.conn))
         s = self.s
         hello = wire.Hello(
-            **s.hello(), pp_rank=s.pp_rank, pp_size=s.pp_size, resume=s.resume(address)
+            **self._me(), pp_rank=s.pp_rank, pp_size=s.pp_size, resume=s.resume(address)
         )
         self.out.send(up.conn, hello)
         return up
@@ -316,10 +317,13 @@ class Pairs:
         self.out.send(down.conn, self._welcome(stage, why))
         return down
 
+    def _me(self) -> dict[str, Any]:
+        return self.s.hello() | {"endpoint": self.endpoint}
+
     def _welcome(self, stage: str = "", error: str = "") -> wire.Welcome:
         s = self.s
         return wire.Welcome(
-            **s.hello(),
+            **self._me(),
             stage=stage,
             error=error,
             drain_s=s.drain_s,

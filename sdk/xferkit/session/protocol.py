@@ -111,9 +111,7 @@ class Protocol:
             for address in got:
                 up = self.pairs.open_up(address, now)
                 if up is None:
-                    log.warning(
-                        "%s: renewing %r with %s: backing off", self.s.address, rid, address
-                    )
+                    log.warning("%s: renewing %r: %s backs off", self.s.address, rid, address)
                 elif up.ready:
                     self.out.send(up.conn, msg)
                 else:
@@ -270,9 +268,7 @@ class Protocol:
         self._enter(now)
         up = self.pairs.by_driver.get(driver)
         if up is None:
-            log.warning(
-                "%s: a notification from unknown driver peer %s: dropped", self.s.address, driver
-            )
+            log.warning("%s: notification from unknown driver %s: dropped", self.s.address, driver)
             return self.out.take()
         try:
             tag = wire.decode_tag(data)
@@ -287,6 +283,11 @@ class Protocol:
     ) -> list[act.Action]:
         self._enter(now)
         self.pairs.connected(ident, peer, generation, error)
+        return self.out.take()
+
+    def fenced(self, source: str, error: str, endpoint: bytes, now: float) -> list[act.Action]:
+        self._enter(now)
+        self.incoming.fenced(source, error, endpoint)
         return self.out.take()
 
     def write_ended(self, wid: int, error: str, now: float) -> list[act.Action]:

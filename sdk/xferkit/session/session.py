@@ -193,6 +193,7 @@ class Session(Closing):
             endpoint=backend.endpoint(),
             fingerprint=fingerprint(manifest),
             notifying=caps.notifications,
+            fencing=caps.fencing,
             descriptor_bytes=caps.descriptor_bytes,
             copy_cost=caps.copy_cost,
             staging=staging,

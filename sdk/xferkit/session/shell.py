@@ -318,7 +318,7 @@ class Shell:
                 a.handle._move(a.state)
             elif isinstance(a, act.Post) and not driver:
                 self.data.post(a)  # small ones at once (dataplane.INLINE_BYTES)
-            elif isinstance(a, act.Post | act.Cancel | act.Connect | act.Disconnect):
+            elif isinstance(a, act.Post | act.Cancel | act.Connect | act.Disconnect | act.Fence):
                 driver.append(a)
             elif isinstance(a, act.Routed):
                 a.handle._routes, a.handle._timeline = a.routes, a.timeline

@@ -301,6 +301,32 @@ class InProcessConformance(KitBase):
             time.sleep(0.2)
             np.testing.assert_array_equal(dst, snapshot)
 
+    def test_a_fenced_sender_lands_nothing_more(self) -> None:
+        """With `fencing` declared, once the receiver's `fence(source)` returns no byte of
+        that sender lands, whatever it had in flight, and a connection made from the
+        receiver's new endpoint works; without it `fence` raises `CapabilityError`."""
+        with self._many_batches("many") as (a, b, peer, writes, dst):
+            source = f"{a.name}:{a.driver.address}"  # as the receiver's notifications name it
+            if not b.capabilities.fencing:
+                with pytest.raises(CapabilityError):
+                    b.fence(source)
+                return
+            ts = [a.write(peer, d) for d in writes]
+            p_endpoint = b.endpoint()
+            b.fence(source)
+            fenced = dst.copy()
+            deadline = time.monotonic() + self.wait_s
+            for t in ts:
+                while t.poll() is Status.PENDING and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert t.poll() is not Status.PENDING, "a fenced sender's write never ended"
+            time.sleep(0.2)
+            np.testing.assert_array_equal(dst, fenced)
+            assert b.endpoint() != p_endpoint, "the endpoint did not change with the fence"
+            again = a.connect(b.endpoint(), peer.manifest)  # made from the new endpoint
+            a.write(again, writes[0]).wait(self.wait_s)
+            assert not np.array_equal(dst, fenced)
+
     def test_a_stale_endpoint_is_refused(self) -> None:
         """After the receiver deregisters and registers again, writes through an endpoint from
         before fail and land nothing (as a NIC refuses a stale remote key); the new one works."""

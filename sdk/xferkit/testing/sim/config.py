@@ -61,6 +61,7 @@ class Config:
     slice_bytes: int = 1 << 13
     groups: float = 0.5  # the share of requests naming the prefill instance by its group
     notifying: bool = True  # the driver carries completions; False: ``Written`` on the socket
+    fencing: bool = False  # decode drivers fence a lost source (``Capabilities.fencing``)
     kv_slots: int = 16
     state_slots: int = 8
     heartbeat_s: float = 1.0

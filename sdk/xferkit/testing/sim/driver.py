@@ -8,6 +8,10 @@ its timeout; ``late`` (harsh) lands bytes after the write was reported ended.
 A write to a peer that is gone (crashed, restarted, closed) fails and lands
 nothing: its registration went with its process. Writes of a rank that crashes
 and have not landed never land (the kernel tears its queues down first).
+Under ``Config.fencing`` a decode rank's driver fences a source as a NIC that
+invalidates the keys it gave would: the links made from its endpoints of
+before land nothing more, whatever is in flight (late and frozen writes
+included), and its endpoint carries the next epoch.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ...descriptors import Descriptors
-from ...endpoint import endpoint_address
+from ...driver import CONTRACT_VERSION
+from ...endpoint import Envelope, endpoint_address
 from ...session import actions as act
 from ...session import wire
 from ..reference import execute
@@ -26,12 +33,25 @@ if TYPE_CHECKING:
     from .world import Rank, World
 
 
+def endpoint(name: str, epoch: int) -> bytes:
+    """Rank ``name``'s endpoint: its driver address, and the epoch of its fences."""
+    blob = msgspec.Raw(msgspec.msgpack.encode(epoch))
+    return msgspec.msgpack.encode(
+        Envelope("sim", CONTRACT_VERSION, "host", 1, f"{name}-drv", 1, blob)
+    )
+
+
+def _epoch(raw: bytes) -> int:
+    env = msgspec.msgpack.decode(raw, type=Envelope)
+    return int(msgspec.msgpack.decode(bytes(env.blob)))
+
+
 @dataclass
 class Write:
     wid: int
     pre: str
     pre_inc: int
-    peer: tuple  # ("peer", decode rank, its incarnation)
+    peer: tuple  # ("peer", decode rank, its incarnation, the epoch of its endpoint)
     descs: Descriptors
     tag: wire.Tag | None
     note: bytes | None
@@ -45,6 +65,8 @@ class Driver:
     def __init__(self, world: World) -> None:
         self.w = world
         self.writes: dict[tuple[str, int], Write] = {}  # (prefill rank, wid) -> not ended
+        self.epochs: dict[str, int] = {}  # decode rank -> the fences its driver made
+        self.fenced: dict[tuple[str, str], int] = {}  # (decode, source) -> links up to it cut
 
     def pending(self, rank: Rank) -> int:
         return sum(1 for (pre, _), wr in self.writes.items() if pre == rank.name)
@@ -55,12 +77,34 @@ class Driver:
         dec = self.w.ranks.get(name)
         t = self.w.now + self.w.rng.uniform(0.0001, 0.01)
         if name == HOSTILE:  # its own driver and memory: writes to it land nowhere we check
-            self.w.to(rank, t, "connected", a.key, ("peer", HOSTILE, 0), 1, "")
+            self.w.to(rank, t, "connected", a.key, ("peer", HOSTILE, 0, 0), 1, "")
             return
         if dec is None or not dec.alive or dec.role != "decode":
             self.w.to(rank, t, "connected", a.key, None, 0, f"connect: {name}-drv unreachable")
             return
-        self.w.to(rank, t, "connected", a.key, ("peer", dec.name, dec.incarnation), 1, "")
+        peer = ("peer", dec.name, dec.incarnation, _epoch(a.endpoint))
+        self.w.to(rank, t, "connected", a.key, peer, 1, "")
+
+    def fence(self, rank: Rank, source: str) -> None:
+        """``rank``'s data-plane worker fences ``source`` (slowly now and then: a busy worker)."""
+        rng = self.w.rng
+        t = self.w.now + (rng.uniform(0.0001, 0.01) if rng.random() < 0.9 else rng.uniform(0.01, 2))
+        self.w.at(t, self._fence, rank, rank.incarnation, source)
+
+    def _fence(self, rank: Rank, inc: int, source: str) -> None:
+        if rank.incarnation != inc or not rank.alive:
+            return
+        if rank.paused_until > self.w.now:
+            self.w.at(self.w.resumed(rank), self._fence, rank, inc, source)
+            return
+        epoch = self.epochs.get(rank.name, 0)
+        self.fenced[rank.name, source] = epoch
+        self.epochs[rank.name] = epoch + 1
+        self.w.to(rank, self.w.now, "fenced", source, "", endpoint(rank.name, epoch + 1))
+
+    def _cut(self, wr: Write) -> bool:
+        source = self.w.ranks[wr.pre].driver_name
+        return self.fenced.get((wr.peer[1], source), -1) >= wr.peer[3]
 
     def post(self, rank: Rank, a: act.Post) -> None:
         if a.note is not None:
@@ -102,7 +146,9 @@ class Driver:
             self.w.at(self.w.now, self._end, rank, wr, "a descriptor lies outside the peer")
             return
         x = rng.random()
-        if "stall" in faults and x < 0.02:
+        if self._cut(wr):  # the receiving NIC refuses it
+            self.w.at(land, self._end, rank, wr, "fenced by the receiver")
+        elif "stall" in faults and x < 0.02:
             t = self.w.now + max(a.timeout, 0.0) + rng.uniform(0, 0.5)
             self.w.at(t, self._end, rank, wr, f"timed out after {a.timeout:.3f} s")
         elif "fail" in faults and x < 0.05:
@@ -124,7 +170,7 @@ class Driver:
             self.w.at(self.w.resumed(pre), self._land, wr, share, late)
             return
         dec = self.w.ranks[wr.peer[1]]
-        if not dec.alive or dec.incarnation != wr.peer[2]:
+        if not dec.alive or dec.incarnation != wr.peer[2] or self._cut(wr):
             return
         n = len(wr.descs) if share >= 1.0 else int(len(wr.descs) * share)
         descs = wr.descs
@@ -173,3 +219,6 @@ class Driver:
     def gone(self, rank: Rank) -> None:
         for key in [k for k in self.writes if k[0] == rank.name]:
             del self.writes[key]
+        self.epochs.pop(rank.name, None)  # a new process: a new driver
+        for fence in [k for k in self.fenced if k[0] == rank.name]:
+            del self.fenced[fence]

@@ -171,6 +171,20 @@ MUTATIONS = (
         config=(("max_pause_s", 40.0),),  # past the drain bound by more
     ),
     Mutation(
+        "failed-before-fenced",
+        "3 (fencing): FAILED is said when the fence is asked for, not once the driver fenced",
+        (
+            Edit(
+                Incoming,
+                "pair_lost",
+                "self.out.add(act.Fence(up.driver_name))",
+                "self.out.add(act.Fence(up.driver_name))\nself._stopped(up.address)",
+            ),
+        ),
+        FAULTS | {"frozen"},  # what a stopped prefill's transport held lands at SIGCONT
+        config=(("fencing", True), ("max_pause_s", 8.0)),  # resumed while it fences
+    ),
+    Mutation(
         "connect-every-hello",
         "11: the driver connects for every Hello, before it is checked",
         (

@@ -52,14 +52,15 @@ def sweep(first: int, count: int, configs: Sequence[Config], workers: int = 1) -
 ONE_PAIR = Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=26.0, staging="never",
                   hostile_acts=6)  # fmt: skip
 MIX = (
-    *[ONE_PAIR] * 7,
+    *[ONE_PAIR] * 6,
     replace(ONE_PAIR, notifying=False),  # completions as ``Written`` on the control socket
+    replace(ONE_PAIR, fencing=True),  # decode drivers that fence a lost source
     Config(prefill_tp=1, decode_tp=2, requests=3, arrivals_s=26.0, hostile_acts=6),
     Config(
         prefill_tp=2, decode_tp=1, requests=3, arrivals_s=26.0, staging="always", hostile_acts=6
     ),
 )
 """The CI budget's configurations: mostly one pair on direct routes (the cheapest per simulated
-second; one in eight on a driver without notifications), some staged TP; wider shapes, more
-hostile bursts and staging contention run in the hypothesis search, the mutation hunts (2 -> 2,
-staged) and ``make sim``."""
+second; one in ten on a driver without notifications, one on drivers that fence), some staged
+TP; wider shapes, more hostile bursts and staging contention run in the hypothesis search, the
+mutation hunts (2 -> 2, staged) and ``make sim``."""

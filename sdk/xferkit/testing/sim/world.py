@@ -19,11 +19,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-import msgspec
-
 from ...copier import CPU
-from ...driver import CONTRACT_VERSION
-from ...endpoint import Envelope
 from ...session import actions as act
 from ...session import wire
 from ...session.core import DRAIN_S, Settings
@@ -31,7 +27,7 @@ from ...session.protocol import Protocol
 from ..models import gdn_hybrid
 from ..reference import Reference
 from .config import DECODE_INSTANCES, INSTANCES, Config
-from .driver import Driver
+from .driver import Driver, endpoint
 from .engine import Engine, Handle
 from .hostile import HOSTILE, PREFILL, Hostile
 from .invariants import Checker, Violation
@@ -71,6 +67,7 @@ class Rank:
         self.alive = False
         self.closing = False
         self.paused_until = 0.0
+        self.resumes_at = 0.0  # when its engine thread and data-plane worker run again
         self.offset = 0.0  # this rank's clock minus the world's
         self.handles: set[Handle] = set()
         self.proto: Protocol
@@ -88,9 +85,6 @@ class Rank:
         self.handles = set()
         self.memory.clear()  # a new process: nothing of it is offered yet
         c = w.config
-        env = Envelope(
-            "sim", CONTRACT_VERSION, "host", 1, f"{self.name}-drv", 1, msgspec.Raw(b"\x90")
-        )
         settings = Settings(
             address=self.name,
             incarnation=w.rng.getrandbits(48),
@@ -102,9 +96,10 @@ class Rank:
             copier=CPU,  # packs and unpacks in the core's call: no pack worker
             backend="sim",
             driver_name=self.driver_name,
-            endpoint=msgspec.msgpack.encode(env),
+            endpoint=endpoint(self.name, w.driver.epochs.get(self.name, 0)),
             fingerprint="sim",
             notifying=c.notifying,
+            fencing=c.fencing,
             heartbeat_s=c.heartbeat_s,
             dead_after_s=c.dead_after_s,
             handshake_timeout_s=c.handshake_timeout_s,
@@ -184,9 +179,12 @@ class World:
         self.call(rank, method, *args)
 
     def resumed(self, rank: Rank) -> float:
-        """When a stopped rank's engine thread or data-plane worker runs again: before or
-        after its control thread reads the backlog (``BACKLOG_S``), as threads race."""
-        return rank.paused_until + self.rng.uniform(0.0, 2 * BACKLOG_S)
+        """When a stopped rank's engine thread and data-plane worker run again: before or
+        after its control thread reads the backlog (``BACKLOG_S``), as threads race; once a
+        pause, so that each thread's calls keep their order (an engine writes its chunks in
+        order: drawn per call, they were reordered, and the prefill mapped them to the wrong
+        slots)."""
+        return max(rank.resumes_at, rank.paused_until)
 
     def deliver(self, rank: Rank, conn: tuple, msg: wire.Message) -> None:
         if rank.paused_until > self.now:
@@ -272,6 +270,8 @@ class World:
                 self.driver.post(rank, a)
             elif isinstance(a, act.Cancel):
                 self.driver.cancel(rank, a.wid)
+            elif isinstance(a, act.Fence):
+                self.driver.fence(rank, a.source)
             elif isinstance(a, act.Move | act.Failing | act.Failed | act.Done | act.Finished):
                 if self.trace is not None and isinstance(a, act.Failing | act.Failed | act.Done):
                     h = a.handle
@@ -336,8 +336,9 @@ class World:
 
     def pause(self, name: str, seconds: float) -> None:
         rank = self.ranks[name]
-        if rank.alive:
-            rank.paused_until = max(rank.paused_until, self.now + seconds)
+        if rank.alive and self.now + seconds > rank.paused_until:
+            rank.paused_until = self.now + seconds
+            rank.resumes_at = rank.paused_until + self.rng.uniform(0.0, 2 * BACKLOG_S)
 
     def jump(self, name: str, seconds: float) -> None:
         self.ranks[name].offset += seconds
