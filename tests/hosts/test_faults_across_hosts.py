@@ -63,7 +63,9 @@ SETTLE_S = 1.5  # after a fault is undone, time for late bytes to land
 
 
 def _options(driver: str, host: Host) -> dict[str, Any]:
-    return {"protocol": "tcp", "hostname": host.address} if driver == "mooncake" else {}
+    if driver == "mooncake":
+        return {"protocol": "tcp", "hostname": host.address}
+    return {"host": host.address} if driver == "tcp-example" else {}
 
 
 def _env(driver: str) -> dict[str, str] | None:
@@ -277,7 +279,8 @@ FAULTS: dict[str, Callable[[Pair], Seen]] = {
     "restart-prefill": _restart_prefill,
     "freeze-decode": _freeze_decode,
 }
-LANES = [(driver, staging) for driver in ("mooncake", "nixl") for staging in ("never", "always")]
+DRIVERS = ("mooncake", "nixl", "tcp-example")  # the last one fences (examples/tcp)
+LANES = [(driver, staging) for driver in DRIVERS for staging in ("never", "always")]
 
 
 @dataclass

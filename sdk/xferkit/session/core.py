@@ -89,6 +89,7 @@ class Settings:
     reconnect_min_s: float = 0.1
     reconnect_max_s: float = 2.0
     drain_s: float = DRAIN_S
+    max_unoffered: int = MAX_UNOFFERED
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = lambda: 0.0  # times the core's own work (handle.timeline)
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)

@@ -35,7 +35,7 @@ class Outgoing:
         self.failing: dict[str, SendRec] = {}  # failed, writes still ending
         self.writes: dict[int, tuple[SendRec, Dst, float]] = {}  # wid -> (.., when posted)
         self._wid = 0
-        self.ledger = Ledger()
+        self.ledger = Ledger(s.max_unoffered)
         self.stager = Stager(s, self._post, self.fail, lambda: self.now)
 
     def _rec(self, rid: str, now: float) -> SendRec:

@@ -172,7 +172,8 @@ class Ledger:
     causes of failures (before and after ``offer``), and the slots held for requests decode
     ranks asked for before the engine offered them (bounded: a peer cannot grow them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_unoffered: int = MAX_UNOFFERED) -> None:
+        self.max_unoffered = max_unoffered  # a simulator shrinks it, so floods reach it
         self.finished: OrderedDict[str, None] = OrderedDict()
         self.early: OrderedDict[str, RequestError] = OrderedDict()  # failed before offer()
         self.failed: OrderedDict[str, RequestError] = OrderedDict()
@@ -189,11 +190,11 @@ class Ledger:
         """Hold ``count`` more slots for a request not offered yet (``rec`` None: a new one);
         why not, when that would pass a bound."""
         if (
-            rec is None and self.waiting >= MAX_UNOFFERED
+            rec is None and self.waiting >= self.max_unoffered
         ) or self.held + count > MAX_UNOFFERED_SLOTS:
             return (
                 f"{self.waiting} requests with {self.held} slots wait for offer() here "
-                f"(MAX_UNOFFERED={MAX_UNOFFERED}, MAX_UNOFFERED_SLOTS={MAX_UNOFFERED_SLOTS})"
+                f"(MAX_UNOFFERED={self.max_unoffered}, MAX_UNOFFERED_SLOTS={MAX_UNOFFERED_SLOTS})"
             )
         return ""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...session.core import MAX_UNOFFERED
+
 FAULTS = frozenset(
     {
         "delay",  # messages take from microseconds to seconds
@@ -62,6 +64,7 @@ class Config:
     groups: float = 0.5  # the share of requests naming the prefill instance by its group
     notifying: bool = True  # the driver carries completions; False: ``Written`` on the socket
     fencing: bool = False  # decode drivers fence a lost source (``Capabilities.fencing``)
+    max_unoffered: int = MAX_UNOFFERED  # the prefill's bound; small, a flood reaches it
     kv_slots: int = 16
     state_slots: int = 8
     heartbeat_s: float = 1.0

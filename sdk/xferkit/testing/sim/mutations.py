@@ -22,6 +22,7 @@ from ...session.outgoing import Outgoing
 from ...session.pairs import Pairs
 from ...session.protocol import Protocol
 from ...session.roster import Roster
+from ...session.sends import Ledger
 from . import run
 from .config import FAULTS, Config
 from .invariants import Violation
@@ -185,6 +186,19 @@ MUTATIONS = (
         config=(("fencing", True), ("max_pause_s", 8.0)),  # resumed while it fences
     ),
     Mutation(
+        "unoffered-unbounded",
+        "9: requests for ids nobody offered are held without a bound",
+        (
+            Edit(
+                Ledger,
+                "hold",
+                "rec is None and self.waiting >= self.max_unoffered",
+                "False",
+            ),
+        ),
+        config=(("max_unoffered", 2), ("hostile_acts", 24)),  # a bound floods reach
+    ),
+    Mutation(
         "connect-every-hello",
         "11: the driver connects for every Hello, before it is checked",
         (
@@ -288,8 +302,8 @@ MUTATIONS = (
 )
 
 OUTSIDE = {
-    "9, 10: memory held for unoffered requests or refused Hellos": "bytes per message are not "
-    "modelled (tables are: invariant 6); test_session_bounds.py",
+    "9 (the slot bound), 10: memory held for unoffered slots or refused Hellos": "bytes per "
+    "message are not modelled (tables are: invariant 6); test_session_bounds.py",
     "11 (the pair cap)": "a flood of 16 stays under MAX_PAIRS; test_protocol_core.py::"
     "test_hellos_beyond_the_pair_cap_are_refused_and_keep_nothing",
     "12: a Session never reclaimed": "no garbage collector; test_session_stale.py",

@@ -100,6 +100,7 @@ class Rank:
             fingerprint="sim",
             notifying=c.notifying,
             fencing=c.fencing,
+            max_unoffered=c.max_unoffered,
             heartbeat_s=c.heartbeat_s,
             dead_after_s=c.dead_after_s,
             handshake_timeout_s=c.handshake_timeout_s,
