@@ -32,7 +32,8 @@ def speeds(seeds: int) -> list[dict[str, Any]]:
         rows.append({
             "config": f"{config.prefill_tp}->{config.decode_tp}, {config.requests} requests, "
                       f"staging {config.staging}"
-                      + ("" if config.notifying else ", Written on the socket"),
+                      + ("" if config.notifying else ", Written on the socket")
+                      + (", fencing" if config.fencing else ""),
             "schedules_per_s": seeds / wall,
             "simulated_per_wall": simulated / wall,
             "steps_per_schedule": steps / seeds,

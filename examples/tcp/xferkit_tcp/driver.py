@@ -233,7 +233,7 @@ class _Inbound(threading.Thread):
     def handle(self, f: wire.Frame) -> None:
         if f.kind == wire.HELLO:
             sender, _, epoch = f.body.decode().partition(" ")
-            self.sender, self.epoch = sender, int(epoch or 0)
+            self.sender, self.epoch = sender, int(epoch) if epoch.isdigit() else 0
             return
         revoked = f.id in self.aborted and not self.driver.options.careless
         error = "aborted by the sender" if revoked else self.driver.apply(f, self)

@@ -101,7 +101,7 @@ class Cancel:
 @dataclass(slots=True, frozen=True)
 class Fence:
     """Cut the lost prefill rank ``source``'s connections into our memory (``Backend.fence``,
-    data-plane worker); answered by ``Protocol.fenced(source, error)``."""
+    data-plane worker); answered by ``Protocol.fenced(source, error, new endpoint)``."""
 
     source: str
 

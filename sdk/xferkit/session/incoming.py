@@ -74,7 +74,7 @@ class Incoming:
         self.gen = 0
         self._coverage: dict[tuple[tuple[str, int], ...], Coverage | PlanError] = {}
         self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
-        self.fences: dict[str, str] = {}  # driver name -> address: fences not yet answered
+        self.fences: dict[str, list[str]] = {}  # driver -> the addresses its fences are for
         self.unpacker = Unpacker(s)
 
     now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
@@ -281,7 +281,7 @@ class Incoming:
         for rec in [r for r in self.recvs.values() if up.address in r.sources]:
             self.fail(rec, stage, why, up.address, now, quiet=quiet)
         if self.s.fencing and up.driver_name and self._waited_for(up.address):
-            self.fences[up.driver_name] = up.address
+            self.fences.setdefault(up.driver_name, []).append(up.address)  # answered in order
             self.out.add(act.Fence(up.driver_name))
 
     def pair_gone(self, up: Up, now: float) -> None:
@@ -295,9 +295,12 @@ class Incoming:
         for the next handshakes (``error``: it could not; what waited drains to its bound)."""
         if endpoint:
             self.pairs.endpoint = endpoint
-        address = self.fences.pop(source, None)
-        if address is None:
+        waiting = self.fences.get(source)
+        if not waiting:
             return
+        address = waiting.pop(0)
+        if not waiting:
+            del self.fences[source]
         if error:
             log.error("%s: fencing %s: %s", self.s.address, source, error)
         else:
