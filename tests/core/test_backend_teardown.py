@@ -45,6 +45,7 @@ def test_every_public_method_refuses_use_after_close() -> None:
             "notifications": a.notifications,
             "deregister": a.deregister,
             "disconnect": lambda: a.disconnect(pair.peer),
+            "fence": lambda: a.fence("mock:b"),
         }
         for name, use in uses.items():
             with pytest.raises(XferError, match=f"{name}\\(\\): this mock backend is closed"):

@@ -135,6 +135,7 @@ def test_backend_calls(world: dict[str, Any], x: Any, y: Any, z: Any) -> None:
     _only_xfer_errors(lambda: b.notifications(timeout=x if not isinstance(x, int | float) else 0))
     _only_xfer_errors(lambda: world["t"].wait(x if not isinstance(x, int | float) else 0))
     _only_xfer_errors(lambda: a.disconnect(x))
+    _only_xfer_errors(lambda: b.fence(x))
 
 
 @SETTINGS
