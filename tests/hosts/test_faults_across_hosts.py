@@ -348,6 +348,14 @@ def _case(pair: Pair, fault: str) -> Outcome:
     return out
 
 
+def _outran(out: Outcome) -> bool:
+    """Both sides were DONE when the fault was first watched: the request outran it (once in
+    six runs, Mooncake staged, crawl: done 0.13 s after 256 KiB had crossed, as if the link
+    were not shaped), so the case says nothing about the fault and is run again."""
+    replies = {} if out.seen is None else out.seen.replies
+    return len(replies) == 2 and all(r.state == "DONE" for r in replies.values())
+
+
 def _lane(box: Hosts, lane: int, results: dict[tuple[str, str, str], Outcome]) -> None:
     """One driver and route: its faults in turn on one pair (made again after a case that
     raised)."""
@@ -358,7 +366,11 @@ def _lane(box: Hosts, lane: int, results: dict[tuple[str, str, str], Outcome]) -
             box[2 * lane + 1].unlimit()
             box[2 * lane + 1].mend()
             pair = pair or Pair(box, driver, staging, 2 * lane)
-            results[driver, staging, fault] = _case(pair, fault)
+            out = _case(pair, fault)
+            if _outran(out):
+                print(f"\n{driver} {staging} {fault}: outran the fault, again: {out.line()}")
+                out = _case(pair, fault)
+            results[driver, staging, fault] = out
         except Exception as exc:
             results[driver, staging, fault] = Outcome(error=f"{type(exc).__name__}: {exc}")
             if pair is not None:
