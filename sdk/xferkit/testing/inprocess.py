@@ -324,7 +324,7 @@ class InProcessConformance(KitBase):
             np.testing.assert_array_equal(dst, fenced)
             assert b.endpoint() != p_endpoint, "the endpoint did not change with the fence"
             again = a.connect(b.endpoint(), peer.manifest)  # made from the new endpoint
-            a.write(again, writes[0]).wait(self.wait_s)
+            a.write(again, writes[-1]).wait(self.wait_s)  # the last: it cannot have landed
             assert not np.array_equal(dst, fenced)
 
     def test_a_stale_endpoint_is_refused(self) -> None:
