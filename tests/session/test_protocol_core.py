@@ -224,7 +224,7 @@ def test_a_decode_rank_that_said_bye_still_gets_the_abortack_it_waits_for() -> N
     """Before (CI, tests/session's paused-prefill test): a decode rank lost its prefill, sent
     Abort then Bye; the resumed prefill had posted the engine's chunk first, so the write was
     still in the driver when the Bye marked the rank lost, and once it ended the AbortAck was
-    skipped for a lost rank. The decode request drained to the prefill's drain bound (35 s)
+    skipped for a lost rank. The decode request drained to the prefill's drain bound (71 s)
     instead of failing at once."""
     net = Net()
     net.handshake()
