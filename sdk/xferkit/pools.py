@@ -316,7 +316,7 @@ def _axes(axes: Any, where: str) -> tuple[str, ...] | None:
 def _check_ndim(tensor: Any, ndim: int | None, want: str, what: str, pool: str) -> tuple[int, ...]:
     """The tensor's shape, once it is a tensor of ``ndim`` axes (at least 2 when None)."""
     try:
-        shape = describe(tensor, (pool,), what)[1]
+        shape = describe(tensor, (pool,), f"{pool}/*")[1]
     except XferError as exc:
         raise ManifestError(f"{what}: {exc}", subject=pool) from None
     if (len(shape) != ndim) if ndim is not None else len(shape) < 2:
