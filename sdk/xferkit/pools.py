@@ -174,6 +174,10 @@ def state_pool(
     if not isinstance(shards, Mapping):
         raise ArgumentError(f"{where}: shards must be a mapping of field to Shard or None")
     entries = list(_entries(fields, exclude, where))
+    if layers is not None:  # checked even when no field is left to give the count
+        _layer_ids(
+            layers, len(layers) if isinstance(layers, list | tuple | range) else 0, where, ""
+        )
     unknown = sorted(str(f) for f in shards if f not in fields)
     if unknown:
         raise ArgumentError(f"{where}: shards names {unknown}, which are not fields")

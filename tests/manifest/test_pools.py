@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -42,7 +42,7 @@ def by_hand(
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_kv_pages_name_and_shard_k_and_v_per_layer(layout: str) -> None:
+def test_kv_pages_name_and_shard_k_and_v_per_layer(layout: Literal["NHD", "HND"]) -> None:
     page = (4, 2, 8) if layout == "NHD" else (2, 4, 8)
     k = [np.zeros((5, *page), np.float16) for _ in range(3)]
     v = [np.ones((5, *page), np.float16) for _ in range(3)]
@@ -99,14 +99,12 @@ def test_state_pool_walks_streams_skips_none_and_excluded_and_leaves_empties_to_
         exclude=["intermediate"],
         layers=layers,
     )
+    at = list(enumerate(layers))
     want = [
-        *(
-            by_hand(conv[0][i], "state", "conv", layer, 0, tp_axis=1, tp_groups=(16, 16, 16))
-            for i, layer in enumerate(layers)
-        ),
-        *(by_hand(conv[1][i], "state", "conv", layer, 1, tp_axis=1) for i, layer in enumerate(layers)),
-        *(by_hand(temporal[i], "state", "temporal", layer, tp_axis=0) for i, layer in enumerate(layers)),
-        *(by_hand(sconv[i], "state", "sconv", layer) for i, layer in enumerate(layers)),
+        *(by_hand(conv[0][i], "state", "conv", n, 0, tp_axis=1, tp_groups=GROUPS) for i, n in at),
+        *(by_hand(conv[1][i], "state", "conv", n, 1, tp_axis=1) for i, n in at),
+        *(by_hand(temporal[i], "state", "temporal", n, tp_axis=0) for i, n in at),
+        *(by_hand(sconv[i], "state", "sconv", n) for i, n in at),
     ]  # fmt: skip
     assert got == want
     m = Manifest.build(got, tp_rank=0, tp_size=2)
@@ -119,7 +117,8 @@ def test_state_pool_walks_streams_skips_none_and_excluded_and_leaves_empties_to_
 
 def test_aux_rows_are_one_replicated_region_per_field_and_part() -> None:
     token = np.zeros((8, 1), np.int32)
-    logprob = [np.zeros((8, 4), np.float32), np.zeros((8, 4), np.int64)]  # values, indices
+    # logprob values and their token indices
+    logprob: list[np.ndarray] = [np.zeros((8, 4), np.float32), np.zeros((8, 4), np.int64)]
     meta = np.zeros((8, 16), np.uint8)
     got = pools.aux_rows(
         "aux",
@@ -207,9 +206,9 @@ def hybrid_specs() -> list[RegionSpec]:
             for layer in RECURRENT
         ]  # fmt: skip
     specs += [
-        RegionSpec(pool="state", name="temporal", layer=layer, shape=(4, 8, 8), itemsize=4, tp_axis=0)
-        for layer in RECURRENT
-    ]  # fmt: skip
+        RegionSpec(pool="state", name="temporal", layer=n, shape=(4, 8, 8), itemsize=4, tp_axis=0)
+        for n in RECURRENT
+    ]
     specs += [
         RegionSpec(pool="aux", name="token", layer=0, shape=(1,), itemsize=4),
         RegionSpec(pool="aux", name="logprob", layer=0, shape=(4,), itemsize=4),
@@ -237,7 +236,7 @@ def describe_with_pools(rank: Any, side: str) -> list[Region]:
             a["state", name, layer, part] = stacked[i]  # the reference now checks the stack
         return typed(stacked)
 
-    layout = "NHD" if side == "src" else "HND"
+    layout: Literal["NHD", "HND"] = "NHD" if side == "src" else "HND"
     k = [typed(a["kv", "k", layer, 0]) for layer in ATTENTION]
     v = [typed(a["kv", "v", layer, 0]) for layer in ATTENTION]
     kv = pools.kv_pages("kv", k=k, v=v, layout=layout, layers=ATTENTION, heads_global=KV_HEADS)
@@ -257,10 +256,8 @@ def describe_with_pools(rank: Any, side: str) -> list[Region]:
         exclude=["intermediate"],
         layers=RECURRENT,
     )
-    aux = pools.aux_rows(
-        "aux",
-        fields={"token": typed(a["aux", "token", 0, 0]), "logprob": typed(a["aux", "logprob", 0, 0])},
-    )  # fmt: skip
+    token, logprob = typed(a["aux", "token", 0, 0]), typed(a["aux", "logprob", 0, 0])
+    aux = pools.aux_rows("aux", fields={"token": token, "logprob": logprob})
     return kv + mla + state + aux
 
 
