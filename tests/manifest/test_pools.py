@@ -499,3 +499,13 @@ def test_wrong_arguments_name_the_field(call: Callable[[], Any], message: str) -
 def test_kv_layer_ids_must_not_repeat() -> None:
     with pytest.raises(xk.ArgumentError, match=r"layer ids \[2, 2\] repeat"):
         pools.kv_pages("kv", k=[GOOD_KV] * 2, v=[GOOD_KV] * 2, layout="NHD", layers=[2, 2])
+
+
+@SETTINGS
+@given(axis=anything, groups=anything, global_size=anything)
+def test_shard_wrong_arguments(axis: Any, groups: Any, global_size: Any) -> None:
+    def build() -> list[Region]:
+        shard = Shard(axis, groups=groups, global_size=global_size)
+        return pools.state_pool("s", fields={"x": GOOD_STATE}, shards={"x": shard})
+
+    only_xfer_errors(build)
