@@ -6,7 +6,7 @@ These are the names an engine uses. Driver authors find theirs in
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import group
+from . import group, pools
 from .backend import Backend, Peer
 from .descriptors import Descriptors
 from .driver import Notification, Status
@@ -90,4 +90,5 @@ __all__ = [
     "load_config",
     "open_backend",
     "plan",
+    "pools",
 ]

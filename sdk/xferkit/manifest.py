@@ -140,6 +140,8 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         """
         subject = (pool, name, layer, part)
         label = key_label(subject)
+        if device is not None and type(device) is not str:
+            raise ArgumentError(f"region {label}: device must be a str or None, not {device!r:.60}")
         addr, shape, itemsize, contiguous, found_device = describe(array, subject, label)
         if not contiguous:
             raise ManifestError(

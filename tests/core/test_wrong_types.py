@@ -87,7 +87,9 @@ def test_region_fields(field: str, value: Any) -> None:
 @SETTINGS
 @given(
     array=anything,
-    field=st.sampled_from(["pool", "name", "layer", "part", "tp_axis", "tp_groups", "tp_global"]),
+    field=st.sampled_from(
+        ["pool", "name", "layer", "part", "tp_axis", "tp_groups", "tp_global", "device"]
+    ),
     value=anything,
 )
 def test_from_array(array: Any, field: str, value: Any) -> None:
