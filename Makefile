@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard plugins/*/pyproject.toml) ex
 	$(MAKE) sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,cli,plot,metrics]' -e plugins/loopback \
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,cli,plot,metrics,torch]' -e plugins/loopback \
 		-e 'plugins/mooncake[cpu]' -e plugins/nixl -e examples/driver -e examples/tcp
 	# NIXL declares torch (a multi-GB CUDA build here): install it without dependencies.
 	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps nixl-cu12 nixl

@@ -135,18 +135,28 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         """Describe a numpy array or a torch tensor (duck-typed: no torch import).
 
         The first axis is the slot axis. ``device`` overrides what the array
-        reports (needed for ``__cuda_array_interface__`` objects, which do not
-        say which GPU they live on).
+        reports (needed for a ``__cuda_array_interface__`` object on another GPU
+        than 0 without ``__dlpack_device__``: xferkit.arrays gives the rule).
         """
         subject = (pool, name, layer, part)
         label = key_label(subject)
         if device is not None and type(device) is not str:
             raise ArgumentError(f"region {label}: device must be a str or None, not {device!r:.60}")
-        addr, shape, itemsize, contiguous, found_device = describe(array, subject, label)
+        addr, shape, itemsize, contiguous, device = describe(array, subject, label, device)
+        try:
+            parse_device(device)
+        except ValueError:
+            raise ManifestError(
+                f"region {label}: device {device!r} is neither 'cpu' nor 'cuda:N'; drivers "
+                "register host or CUDA memory only",
+                subject=subject,
+            ) from None
         if not contiguous:
             raise ManifestError(
-                f"region {label}: the array is not contiguous; register a contiguous "
-                "tensor (or its base) so that slots are evenly spaced",
+                f"region {label}: the array of shape {shape} is not C-contiguous, so its slots "
+                "are not evenly spaced bytes. .contiguous() would copy it and a transfer would "
+                "land in the copy: register the contiguous tensor it is a view of (the whole "
+                "buffer, or a slice of its first axis) instead",
                 subject=subject,
             )
         if len(shape) < 1:
@@ -160,7 +170,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             nbytes=math.prod(shape) * itemsize,
             slot_shape=tuple(shape[1:]),
             itemsize=itemsize,
-            device=device or found_device,
+            device=device,
             tp_axis=tp_axis,
             tp_groups=_int_tuple(tp_groups, subject, "tp_groups")
             if tp_groups is not None
