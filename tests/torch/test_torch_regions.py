@@ -270,3 +270,57 @@ def test_the_core_does_not_import_torch_unless_handed_a_tensor() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+# -- pools over real tensors --------------------------------------------------------------
+
+
+def test_pools_describe_real_tensors_as_engines_allocate_them() -> None:
+    """vLLM's ``[2, blocks, block, heads, dim]`` per layer (K and V as ``kv[0]``/``kv[1]``), a
+    GDN state stacked ``[layers, slots, ...]`` in bf16 with a degenerate short-conv field: the
+    regions sit at the tensors' own addresses, the empty field is dropped, and a request moves
+    between two Sessions byte-exact."""
+
+    def engine(seed: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        kv = [random_tensor((2, 6, 4, 2, 8), torch.bfloat16, seed + i) for i in range(2)]
+        state = {
+            "conv": random_tensor((3, 4, 16, 3), torch.bfloat16, seed + 10),
+            "ssm": random_tensor((3, 4, 2, 8, 8), torch.float32, seed + 11),
+            "temporal": torch.zeros((3, 4, 0, 0, 0), dtype=torch.bfloat16),
+        }
+        return kv, state
+
+    def describe(kv: list[torch.Tensor], state: dict[str, torch.Tensor]) -> xk.Manifest:
+        out = xk.pools.kv_pages("kv", k=[t[0] for t in kv], v=[t[1] for t in kv], layout="NHD")
+        out += xk.pools.state_pool(
+            "state",
+            fields=state,
+            shards={"conv": xk.pools.Shard(0), "ssm": xk.pools.Shard(0), "temporal": None},
+        )
+        return xk.Manifest.build(out)
+
+    src_kv, src_state = engine(1)
+    dst_kv, dst_state = engine(50)
+    before = [raw(t[0]).copy() for t in dst_kv]
+    src, dst = describe(src_kv, src_state), describe(dst_kv, dst_state)
+    assert src.region(("kv", "v", 1, 0)).addr == src_kv[1][1].data_ptr()
+    assert src.region(("state", "ssm", 2, 0)).addr == src_state["ssm"][2].data_ptr()
+    assert {d.key for d in src.dropped} == {("state", "temporal", i, 0) for i in range(3)}
+    pre = Session(xk.open_backend("loopback"), src)
+    dec = Session(xk.open_backend("loopback"), dst)
+    try:
+        recv = dec.expect("p", [pre.address], {"kv": [5, 0], "state": [3]})
+        pre.offer("p").write({"kv": [2, 4], "state": [1]}, last=True)
+        assert recv.wait(WAIT_S) is State.DONE, recv.error
+    finally:
+        pre.close()
+        dec.close()
+    for i in range(2):
+        for side in (0, 1):
+            np.testing.assert_array_equal(
+                raw(dst_kv[i][side])[[5, 0]], raw(src_kv[i][side])[[2, 4]]
+            )
+        np.testing.assert_array_equal(raw(dst_kv[i][0])[[1, 2, 3, 4]], before[i][[1, 2, 3, 4]])
+    for name in ("conv", "ssm"):
+        got, want = dst_state[name][:, 3], src_state[name][:, 1]
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
