@@ -51,13 +51,20 @@ def computed(prompt: list[int]) -> dict[str, np.ndarray]:
 class Instance:
     """One engine instance (TP 1): its block pool, requests and both connector roles."""
 
-    def __init__(self, policy: Policy = "recompute", **config: Any) -> None:
-        self.caches = {n: np.zeros((2, BLOCKS, BS, HEADS, DIM), np.float32) for n in NAMES}
-        c = ConnectorConfig(block_size=BS, **config)
-        self.sched = XferkitConnector(Role.SCHEDULER, c)
-        self.worker = XferkitConnector(Role.WORKER, c)
-        self.worker.register_kv_caches(self.caches)
-        self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+    def __init__(self, policy: Policy = "recompute", tp: int = 1, **config: Any) -> None:
+        shape = (2, BLOCKS, BS, HEADS // tp, DIM)  # each TP rank holds its share of the heads
+        self.caches = [{n: np.zeros(shape, np.float32) for n in NAMES} for _ in range(tp)]
+        self.sched = XferkitConnector(Role.SCHEDULER, ConnectorConfig(0, tp, BS, **config))
+        self.workers = [
+            XferkitConnector(Role.WORKER, ConnectorConfig(r, tp, BS, **config)) for r in range(tp)
+        ]
+        for w, caches in zip(self.workers, self.caches, strict=True):
+            w.register_kv_caches(caches)
+        self.worker = self.workers[0]
+        self.sched.set_xfer_handshake_metadata(
+            {r: w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        )
+        self.reports: dict[tuple[str, str], int] = {}  # (sent | received, id) -> workers so far
         self.policy = policy
         self.free = list(range(BLOCKS))
         self.blocks: dict[str, list[int]] = {}
@@ -73,14 +80,16 @@ class Instance:
 
     def compute(self, req: Request) -> None:
         ids = self.blocks[req.request_id]
+        share = HEADS // len(self.caches)
         for name, kv in computed(req.prompt_token_ids).items():
-            self.caches[name][:, ids] = kv
+            for r, caches in enumerate(self.caches):
+                caches[name][:, ids] = kv[:, :, :, r * share : (r + 1) * share]
         req.num_computed_tokens = len(req.prompt_token_ids)
 
     def finish(self, req: Request, status: str) -> None:
         rid, ids = req.request_id, self.blocks.pop(req.request_id)
         req.status = status
-        self.kv[rid] = {n: c[:, ids].copy() for n, c in self.caches.items()}
+        self.kv[rid] = {n: np.concatenate([c[n][:, ids] for c in self.caches], 3) for n in NAMES}
         delay, self.params[rid] = self.sched.request_finished(req, ids)
         if delay:
             self.held[rid] = ids
@@ -104,16 +113,19 @@ class Instance:
         self.waiting = []
         finished, self.just_finished = self.just_finished, set()
         meta = self.sched.build_connector_meta(SchedulerOutput(finished))
-        w = self.worker
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        for name in NAMES:
-            w.wait_for_layer_load(name)
-            w.save_kv_layer(name, self.caches[name], None)
-        w.wait_for_save()
-        sending, receiving = w.get_finished(finished)
-        failed = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
+        sending, receiving, failed = set(), set(), set()
+        for w, caches in zip(self.workers, self.caches, strict=True):
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            for name in NAMES:
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, caches[name], None)
+            w.wait_for_save()
+            sent, received = w.get_finished(finished)
+            failed |= w.get_block_ids_with_load_errors()  # unioned over the workers
+            w.clear_connector_metadata()
+            sending |= self.count("sent", sent)
+            receiving |= self.count("received", received)
         for rid in receiving:  # failed blocks first: vLLM's kv_load_failure_policy
             req = self.remote.pop(rid)
             bad = failed & set(self.blocks[rid])
@@ -132,8 +144,19 @@ class Instance:
         for rid in sending:
             self.free += self.held.pop(rid)
 
+    def count(self, what: str, ids: set[str]) -> set[str]:
+        """vLLM's aggregation: an id is done once every worker reported it."""
+        out = set()
+        for rid in ids:
+            n = self.reports[what, rid] = self.reports.get((what, rid), 0) + 1
+            if n == len(self.workers):
+                out.add(rid)
+                del self.reports[what, rid]
+        return out
+
     def close(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
 
 
 def run(instances: list[Instance], until: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -182,6 +205,29 @@ def test_a_prefill_hands_its_requests_to_a_decode_byte_exact() -> None:
                 np.testing.assert_array_equal(pre.kv[rid][name], want[name])
         assert not dec.failed and not dec.recomputed
         assert set(held["a"]).isdisjoint(set(held["b"]))
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_prefill_tp2_hands_over_to_decode_tp1_once_both_ranks_sent() -> None:
+    """Each prefill rank writes its half of the heads; the decode names both addresses and
+    reports the request received once; the prefill frees once both its workers said sent."""
+    pre, dec = Instance(tp=2), Instance()
+    prompt = list(range(30, 41))  # 3 blocks
+    try:
+        pre.waiting.append(Request("r", prompt, {"do_remote_decode": True}))
+        run([pre], lambda: "r" in pre.params)
+        params = pre.params["r"]
+        assert params is not None and len(params["remote_addresses"]) == 2
+        assert params["tp_size"] == 2
+        dec.waiting.append(decode_of(pre, "r", prompt))
+        run([pre, dec], lambda: "d-r" in dec.outcome and not pre.held)
+        assert dec.outcome["d-r"] == "finished_stopped" and not dec.failed
+        want = computed(prompt)
+        for name in NAMES:
+            np.testing.assert_array_equal(dec.kv["d-r"][name], want[name])
+        assert not pre.reports and sorted(pre.free) == list(range(BLOCKS))
     finally:
         pre.close()
         dec.close()
