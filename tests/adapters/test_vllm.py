@@ -28,6 +28,7 @@ from xferkit.adapters.vllm import (
     ConnectorConfig,
     ConnectorMetadata,
     Handshake,
+    KVConnectorOutput,
     Policy,
     Request,
     Role,
@@ -126,6 +127,7 @@ class Instance:
             w.clear_connector_metadata()
             sending |= self.count("sent", sent)
             receiving |= self.count("received", received)
+        self.sched.update_connector_output(KVConnectorOutput(sending, receiving))
         for rid in receiving:  # failed blocks first: vLLM's kv_load_failure_policy
             req = self.remote.pop(rid)
             bad = failed & set(self.blocks[rid])
@@ -143,6 +145,10 @@ class Instance:
             self.finish(req, "finished_stopped")  # decoded, then stopped
         for rid in sending:
             self.free += self.held.pop(rid)
+
+    def abort(self, rid: str) -> None:
+        """The client went away: vLLM finishes the request (aborted) wherever it is."""
+        self.finish(self.remote.pop(rid), "finished_aborted")
 
     def count(self, what: str, ids: set[str]) -> set[str]:
         """vLLM's aggregation: an id is done once every worker reported it."""
@@ -257,6 +263,37 @@ def test_a_failed_load_reports_its_blocks_and_the_policy_decides(
             want = computed(prompt)
             for name in NAMES:
                 np.testing.assert_array_equal(dec.kv["d-r"][name], want[name])
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_decode_request_aborted_mid_load_keeps_its_blocks_until_nothing_can_land() -> None:
+    """Push's hazard: freed decode blocks a prefill still writes into. A request that ends
+    while receiving keeps its blocks (delay_free) until its aborted Receive is FAILED."""
+    faults = Faults(stall_post_at=1)  # the write stays in the prefill's driver
+    pre = Instance(backend=lambda: xk.open_backend("loopback", faults=faults))
+    dec = Instance()
+    prompt = list(range(9))  # 3 blocks
+    try:
+        pre.waiting.append(Request("r", prompt, {"do_remote_decode": True}))
+        run([pre], lambda: "r" in pre.params)
+        dec.waiting.append(decode_of(pre, "r", prompt))
+        run([pre, dec], lambda: bool(dec.worker._recvs))  # expected
+        recv, _ = dec.worker._recvs["d-r"]
+        assert recv is not None
+        run([pre, dec], lambda: recv.poll() is xk.State.WAITING or recv.done, timeout=5)
+        for _ in range(10):  # the write is stalled: nothing finishes
+            pre.step()
+            dec.step()
+        assert "d-r" in dec.remote and not recv.done
+        dec.abort("d-r")
+        assert set(dec.held) == {"d-r"} and len(dec.free) == BLOCKS - 3  # kept, not freed
+        run([pre, dec], lambda: not dec.held and not pre.held)
+        assert recv.poll() is xk.State.FAILED  # freed only once nothing can land
+        assert recv.error is not None and recv.error.stage == "abort"
+        assert sorted(dec.free) == sorted(pre.free) == list(range(BLOCKS))
+        assert dec.outcome["d-r"] == "finished_aborted" and not dec.failed
     finally:
         pre.close()
         dec.close()

@@ -17,7 +17,10 @@ the decode names its slots (``expect``), the prefill writes (``offer`` +
   Send DONE or FAILED (its blocks are no longer read), a Receive DONE or FAILED
   (FAILED only once nothing can land: the blocks are safe to recompute into); a
   failed Receive's blocks all go to ``get_block_ids_with_load_errors`` (the Session
-  fails a request whole), for vLLM's ``recompute`` or ``fail`` policy (``valid_tokens``).
+  fails a request whole), for vLLM's ``recompute`` or ``fail`` policy (``valid_tokens``);
+- a decode request that ends while receiving keeps its blocks (``delay_free``): the
+  worker aborts the Receive and reports it sent once FAILED, since a push may still
+  be landing in them.
 
 vLLM merges what every worker reports (an id counts once every rank said it),
 so one rank's FAILED Receive never frees blocks another rank still receives.
@@ -86,6 +89,14 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
 
 
+@dataclass
+class KVConnectorOutput:
+    """vLLM's ``KVConnectorOutput`` as read here: what every worker reported done."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+
+
 @dataclass(frozen=True, slots=True)
 class Load:
     """Decode side: receive ``transfer_id`` from ``sources`` into ``blocks``."""
@@ -97,10 +108,12 @@ class Load:
 
 @dataclass(frozen=True, slots=True)
 class ConnectorMetadata:
-    """Scheduler -> workers, once a step: loads to ``expect``, blocks to ``offer``."""
+    """Scheduler -> workers, once a step: loads to ``expect``, blocks to ``offer``, loads
+    to abort (their requests ended while still receiving)."""
 
     loads: Mapping[str, Load]
     offers: Mapping[str, np.ndarray]
+    aborts: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +168,14 @@ class XferkitConnector:
         self._loads: dict[str, Load] = {}
         self._offers: dict[str, np.ndarray] = {}
         self._asked: set[str] = set()  # update_state_after_alloc may come twice
+        self._loading: set[str] = set()  # loads not yet reported received
+        self._aborts: set[str] = set()
         # worker side
         self.session: Session | None = None
         self._layers: frozenset[str] = frozenset()
         self._meta: ConnectorMetadata | None = None
         self._recvs: dict[str, tuple[Receive | None, np.ndarray]] = {}
-        self._sends: dict[str, Send | None] = {}
+        self._sends: dict[str, Send | Receive | None] = {}  # and receives abandoned
         self._sent: set[str] = set()  # terminal, not yet named in finished_req_ids
         self._finished: set[str] = set()  # named in finished_req_ids, not yet terminal
         self._failed: set[int] = set()
@@ -222,14 +237,23 @@ class XferkitConnector:
                 subject=rid,
             )
         self._asked.add(rid)
+        self._loading.add(rid)
         self._loads[rid] = Load(transfer, tuple(sources), ids[:need])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         """Every step, even an empty one: what was decided since the last step."""
         self._as(Role.SCHEDULER, "build_connector_meta")
-        meta = ConnectorMetadata(loads=self._loads, offers=self._offers)
-        self._loads, self._offers = {}, {}
+        meta = ConnectorMetadata(self._loads, self._offers, frozenset(self._aborts))
+        self._loads, self._offers, self._aborts = {}, {}, set()
         return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Every worker's reports, merged: the loads that ended are no longer in flight."""
+        self._as(Role.SCHEDULER, "update_connector_output")
+        received = getattr(connector_output, "finished_recving", None)
+        if not isinstance(received, set | frozenset | None):
+            raise ArgumentError(f"not a KVConnectorOutput: {connector_output!r}")
+        self._loading -= received or set()
 
     def request_finished(
         self, request: Request, block_ids: list[int] | tuple[list[int], ...]
@@ -241,6 +265,10 @@ class XferkitConnector:
         one = block_ids[0] if isinstance(block_ids, tuple) and len(block_ids) == 1 else block_ids
         ids = _ids(one, "block_ids")  # a list, or one KV-cache group's (the HMA shape)
         self._asked.discard(request.request_id)
+        if request.request_id in self._loading:  # ended while its load may still be landing:
+            self._loading.discard(request.request_id)  # the blocks wait for the aborted load
+            self._aborts.add(request.request_id)  # to be FAILED, then read as "sent"
+            return True, None
         status = getattr(request, "status", None)
         status = str(getattr(status, "name", status)).lower()  # vLLM's RequestStatus or a str
         computed = _count(getattr(request, "num_computed_tokens", None), "num_computed_tokens")
@@ -305,6 +333,11 @@ class XferkitConnector:
                 log.warning("request %r: expect() refused: %s", rid, exc)
                 recv = None
             self._recvs[rid] = (recv, load.blocks)
+        for rid in self._meta.aborts:  # a receive abandoned: its blocks free once it is FAILED
+            recv, _ = self._recvs.pop(rid, (None, None))
+            if recv is not None:
+                recv.abort(timeout=0)
+            self._sends[rid] = recv  # reported with the sends: vLLM frees delayed blocks so
         for rid, blocks in self._meta.offers.items():
             send: Send | None = None
             try:
