@@ -382,6 +382,7 @@ EXPECTED = {  # KVConnectorBase_V1's methods this connector implements, and thei
     "get_num_new_matched_tokens": ["request", "num_computed_tokens"],
     "update_state_after_alloc": ["request", "blocks", "num_external_tokens"],
     "build_connector_meta": ["scheduler_output"],
+    "update_connector_output": ["connector_output"],
     "request_finished": ["request", "block_ids"],
     "set_xfer_handshake_metadata": ["metadata"],
     "register_kv_caches": ["kv_caches"],
@@ -446,6 +447,10 @@ def test_connector_arguments_are_checked() -> None:
         XferkitConnector("worker")  # type: ignore[arg-type]
     with pytest.raises(xk.XferError, match="tp_rank"):
         XferkitConnector(Role.WORKER, ConnectorConfig(tp_rank=2, tp_size=2))
+    with pytest.raises(xk.XferError, match="session"):
+        XferkitConnector(Role.WORKER, ConnectorConfig(session="lease_s=1"))  # type: ignore[arg-type]
+    with pytest.raises(xk.XferError, match="Handshake per TP rank"):
+        XferkitConnector(Role.SCHEDULER).set_xfer_handshake_metadata({1: None, "a": None})  # type: ignore[dict-item]
     w = XferkitConnector(Role.WORKER)
     with pytest.raises(xk.XferError, match="no layer number"):
         w.register_kv_caches({"attn": np.zeros((2, 4, 4, 2, 8), np.float32)})

@@ -162,6 +162,10 @@ class XferkitConnector:
         _count(config.tp_size, "tp_size", least=1)
         if _count(config.tp_rank, "tp_rank") >= config.tp_size:
             raise ArgumentError(f"tp_rank {config.tp_rank} >= tp_size {config.tp_size}")
+        if not isinstance(config.session, Mapping):
+            raise ArgumentError(f"config.session is a mapping, not {config.session!r}")
+        if config.backend is not None and not callable(config.backend):
+            raise ArgumentError(f"config.backend opens a Backend, not {config.backend!r}")
         self.role, self.config = role, config
         # scheduler side
         self._addresses: tuple[str, ...] = ()
@@ -186,9 +190,7 @@ class XferkitConnector:
         """Every worker's address, by TP rank: what a decode of this instance's requests
         passes as ``expect(source=)``."""
         self._as(Role.SCHEDULER, "set_xfer_handshake_metadata")
-        if not isinstance(metadata, Mapping) or sorted(metadata) != list(
-            range(self.config.tp_size)
-        ):
+        if not isinstance(metadata, Mapping) or set(metadata) != set(range(self.config.tp_size)):
             raise ArgumentError(
                 f"set_xfer_handshake_metadata() takes one Handshake per TP rank "
                 f"0..{self.config.tp_size - 1}, not {metadata!r}"
@@ -229,7 +231,12 @@ class XferkitConnector:
         need = _count(params.get("remote_num_blocks"), "kv_transfer_params remote_num_blocks")
         sources = params.get("remote_addresses")
         transfer = params.get("remote_request_id")
-        if not isinstance(transfer, str) or not isinstance(sources, list | tuple) or not sources:
+        if (
+            not isinstance(transfer, str)
+            or not isinstance(sources, list | tuple)
+            or not sources
+            or not all(isinstance(a, str) for a in sources)
+        ):
             raise ArgumentError(f"request {rid!r}: kv_transfer_params name no prefill: {params}")
         if ids.size < need or math.ceil(num_external_tokens / self.config.block_size) > ids.size:
             raise XferError(
@@ -302,7 +309,12 @@ class XferkitConnector:
         c = self.config
         manifest = Manifest.build(regions, tp_rank=c.tp_rank, tp_size=c.tp_size)
         backend = c.backend() if c.backend is not None else None
-        self.session = Session.from_config(manifest, dict(c.session), backend=backend)
+        try:
+            self.session = Session.from_config(manifest, dict(c.session), backend=backend)
+        except BaseException:
+            if isinstance(backend, Backend):
+                backend.close()  # a Session refused holds nothing, nor does this connector
+            raise
         self._layers = frozenset(kv_caches)
 
     def get_handshake_metadata(self) -> Handshake:
@@ -455,7 +467,7 @@ def _params(request: object) -> dict[str, Any]:
 
 
 def _prompt(request: Request) -> list[int]:
-    prompt = request.prompt_token_ids
+    prompt = getattr(request, "prompt_token_ids", None)
     if not isinstance(prompt, list):
         raise ArgumentError(f"request {request.request_id!r}: prompt_token_ids is no list")
     return prompt
