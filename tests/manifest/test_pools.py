@@ -482,7 +482,8 @@ def test_state_pool_and_aux_rows_wrong_arguments(
         ),
         (
             lambda: pools.kv_pages("kv", k=[GOOD_KV[:, ::2]], v=[GOOD_KV], layout="NHD"),
-            "pools.kv_pages: k[0]: region kv/k[0]: the array of shape (3, 2, 2, 8) is not C-contiguous",
+            "pools.kv_pages: k[0]: region kv/k[0]: the array of shape (3, 2, 2, 8) is not "
+            "C-contiguous",
         ),
         (
             lambda: pools.aux_rows("aux", fields={"token": GOOD_STATE[0], "meta": []}),
