@@ -117,7 +117,7 @@ class KVManager(Closing):
         **session_options: Any,
     ) -> None:
         mode = getattr(mode, "value", mode)
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise ArgumentError(f"mode is 'prefill' or 'decode', not {mode!r}", subject=mode)
         if not isinstance(manifest, Manifest):
             raise ArgumentError(f"KVManager needs a Manifest, not {manifest!r}")
@@ -128,7 +128,7 @@ class KVManager(Closing):
             )
         # A pool whose regions are all empty (a conv-only model's state) is still known.
         known = set(manifest.pools) | {k[0] for k in manifest.dropped_keys}
-        if state_pool == "state" and state_pool not in known:
+        if isinstance(state_pool, str) and state_pool == "state" and state_pool not in known:
             state_pool = None  # the default, for a model without recurrent state
         for name, pool in (
             ("kv_pool", kv_pool),
@@ -309,9 +309,7 @@ class KVReceiver(_Poller):
     state never goes back), then the Receive's state.
     """
 
-    def __init__(
-        self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | str | None = None
-    ) -> None:
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | str) -> None:
         self.mgr = _manager(mgr, "decode", "KVReceiver")
         if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
             raise ArgumentError(
@@ -381,11 +379,15 @@ class KVReceiver(_Poller):
         handle.abort(0)
 
 
+def _pollers(value: object, call: str) -> list[_Poller]:
+    if not isinstance(value, Sequence) or not all(isinstance(p, _Poller) for p in value):
+        raise ArgumentError(f"{call} takes a sequence of KVSenders or KVReceivers, not {value!r}")
+    return list(value)
+
+
 def summarize(pollers: Sequence[KVSender | KVReceiver]) -> np.ndarray:
     """This rank's ``xferkit.group`` rows (int64 ``[n, 4]``), one per request, in order."""
-    if not isinstance(pollers, Sequence) or not all(isinstance(p, _Poller) for p in pollers):
-        raise ArgumentError(f"summarize() takes KVSenders or KVReceivers, not {pollers!r}")
-    return group.summarize([p._handle for p in pollers])
+    return group.summarize([p._handle for p in _pollers(pollers, "summarize()")])
 
 
 def verdicts(
@@ -394,12 +396,13 @@ def verdicts(
     """The group's KVPoll per request, the same on every rank: Failed or Success only once
     every rank is terminal (the pages are safe to free); a request some rank knows to fail
     is aborted here on this rank too, so every rank drains and gets there."""
+    polled = _pollers(pollers, "verdicts()")
     states = group.read(reduced)
     firsts = group.first_failure(mine, reduced)
-    if len(states) != len(pollers):
-        raise ArgumentError(f"verdicts(): {len(states)} rows for {len(pollers)} requests")
+    if len(states) != len(polled):
+        raise ArgumentError(f"verdicts(): {len(states)} rows for {len(polled)} requests")
     out = []
-    for p, g, first in zip(pollers, states, firsts.tolist(), strict=True):
+    for p, g, first in zip(polled, states, firsts.tolist(), strict=True):
         p.reports_root_cause = bool(first)
         if g.safe_to_free:
             out.append(int(KVPoll.Failed if g.failed else KVPoll.Success))
