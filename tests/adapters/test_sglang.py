@@ -248,6 +248,52 @@ def test_chunked_prefill_lands_byte_exact_across_tp_sizes(src_tp: int, dst_tp: i
         assert metric.transfer_total_bytes and metric.transfer_latency_s is not None
 
 
+@pytest.fixture(scope="module")
+def scatter() -> Iterator[World]:
+    """Prefill TP 1 -> decode TP 2, shared by the examples of the property test below."""
+    with world(1, 2) as w:
+        yield w
+
+
+ROOMS = iter(range(1000, 10**6))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    lengths=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    chunk=st.integers(1, 4),
+    order=st.permutations(range(SLOTS["kv"])),
+    back=st.permutations(range(SLOTS["kv"])),
+    states=st.permutations(range(SLOTS["state"])),
+)
+def test_any_chunking_of_concurrent_requests_lands_exact(
+    scatter: World,
+    lengths: list[int],
+    chunk: int,
+    order: list[int],
+    back: list[int],
+    states: list[int],
+) -> None:
+    """Concurrent requests of any length, prefilled in chunks of any size, each on pages
+    in any order: every decode rank holds exactly the reference bytes in the named rows."""
+    w, reqs, at = scatter, [], 0
+    for k, n in enumerate(lengths):
+        src, dst = order[at : at + n], back[at : at + n]
+        reqs.append(Req(next(ROOMS), src, dst, states[k], states[-1 - k], k, chunk=chunk))
+        at += n
+    sched = Schedulers(w, reqs)
+    for r in reqs:
+        sched.admit(r)
+    sched.run()
+    assert all(r.decode_end is r.prefill_end is KVPoll.Success for r in reqs)
+    slots = _slots(reqs)
+    for i, rank in enumerate(w.ref.dsts):
+        want = w.ref.expected(i, slots)
+        for key, arr in rank.arrays.items():
+            rows = slots[key[0]][1]
+            assert np.array_equal(arr[rows], want[key][rows]), (key, i)
+
+
 def test_an_aborted_request_never_writes_into_its_reused_slots() -> None:
     """The decode aborts a request after naming its pages, frees them only on the group's
     Failed and reuses them at once (a marker written over them); the prefill keeps computing
