@@ -159,7 +159,7 @@ class Net:
 
         h = self.handles["dec", rid] = Handle(rid, [State.HANDSHAKING])
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in slots.items()}
-        self.apply("dec", self.dec.expect(h, rid, ("P",), arrays, 1, self.now))
+        self.apply("dec", self.dec.expect(h, rid, ("P",), arrays, 1, {}, self.now))
         return h
 
     def offer(self, rid: str) -> Handle:

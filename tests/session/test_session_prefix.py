@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 import xferkit as xk
-from xferkit.session import Session, State
+from xferkit.session import RequestError, Session, State
 from xferkit.testing import Reference, RegionSpec, gdn_hybrid
 
 SLOTS = {"kv": 16, "state": 4}
@@ -67,3 +67,98 @@ def test_only_the_suffix_moves_and_the_cached_prefix_keeps_its_bytes(
     finally:
         for s in (*pres, *decs):
             s.close()
+
+
+# -- skip: the decode says what it holds, the prefill writes every page ---------------------
+
+# (source pages, destination pages per slot, destination slots held, the prefill's chunks)
+SKIPS = [
+    (1, 1, 3, [[0, 1], [2, 3, 4], [5, 6, 7]]),  # the second chunk is half prefix
+    (1, 2, 2, [[0, 1, 2, 3], [4, 5], [6, 7, 9]]),  # 2 decode slots held: 4 prefill slots
+    (2, 1, 4, [[0], [1, 2], [3, 4]]),  # 4 decode slots held: 2 prefill slots
+]
+
+
+@pytest.mark.parametrize(
+    ("src_pages", "dst_pages", "held", "chunks"),
+    SKIPS,
+    ids=["alike", "decode-pages-larger", "prefill-pages-larger"],
+)
+@pytest.mark.parametrize("staging", ["never", "always"])
+def test_a_prefill_writing_every_page_sends_only_what_the_decode_does_not_hold(
+    src_pages: int, dst_pages: int, held: int, chunks: list[list[int]], staging: str
+) -> None:
+    """As vLLM's push and sglang's sender do, the prefill writes the whole prompt; the decode
+    rank's ``expect(skip=)`` says how many of the request's first destination slots it holds,
+    and names only the rest: each source drops the source slots that would fill the held
+    ones (chunks straddling the boundary included), and every decode byte is checked: the
+    held slots keep their bytes, the rest hold the prompt's pages after the prefix. Without
+    the skip, the suffix would be the prompt's first pages."""
+    specs = [_paged(s, src_pages, dst_pages) for s in gdn_hybrid(2)]
+    ref = Reference(specs, src_tp=2, dst_tp=4, src_slots=SLOTS, dst_slots=SLOTS, seed=11)
+    pres = [Session(xk.open_backend("loopback"), r.manifest, staging=staging) for r in ref.srcs]
+    decs = [Session(xk.open_backend("loopback"), d.manifest, staging=staging) for d in ref.dsts]
+    every = [s for c in chunks for s in c]
+    suffix_src = every[held * dst_pages // src_pages :]
+    suffix_dst = [2, 5, 6, 13, 14, 15, 0, 1][: -(-len(suffix_src) * src_pages // dst_pages)]
+    try:
+        request = {"kv": suffix_dst, "state": [1]}
+        recvs = [
+            d.expect("skip", [p.address for p in pres], request, skip={"kv": held}) for d in decs
+        ]
+        for p in pres:
+            send = p.offer("skip")
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                send.write({"kv": chunk, **({"state": [3]} if last else {})}, last=last)
+        for h in recvs:
+            assert h.wait(20) is State.DONE, h.error
+        for i in range(len(decs)):
+            ref.check(i, {"kv": (suffix_src, suffix_dst), "state": ([3], [1])})
+    finally:
+        for s in (*pres, *decs):
+            s.close()
+
+
+def test_a_skip_ending_inside_a_source_slot_fails_both_sides_naming_the_pool() -> None:
+    """A prefill slot holds two decode slots: holding 3 decode slots would start the suffix
+    halfway through a prefill slot, which the slot maps cannot say; the request fails at plan
+    on both sides rather than land shifted."""
+    specs = [_paged(s, 2, 1) for s in gdn_hybrid(2)]
+    ref = Reference(specs, src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS, seed=3)
+    pre = Session(xk.open_backend("loopback"), ref.srcs[0].manifest)
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest)
+    try:
+        recv = dec.expect("odd", [pre.address], {"kv": [4, 5, 6]}, skip={"kv": 3})
+        send = pre.offer("odd")
+        send.write({"kv": [0, 1, 2]}, last=True)
+        for h in (recv, send):
+            with pytest.raises(RequestError, match="pool 'kv'.*inside a source slot") as info:
+                h.wait(10)
+            assert info.value.stage == "plan"
+        ref.check(0, {})  # nothing landed
+    finally:
+        pre.close()
+        dec.close()
+
+
+@pytest.mark.parametrize(
+    ("skip", "message"),
+    [
+        ([("kv", 1)], "skip maps pool"),
+        ({"state": 1}, "which slots does not name"),
+        ({"kv": -1}, "is a slot count"),
+        ({"kv": True}, "is a slot count"),
+        ({"kv": 1.0}, "is a slot count"),
+        ({"kv": 1 << 40}, "is a slot count"),
+    ],
+)
+def test_a_wrong_skip_is_refused_naming_it(skip: object, message: str) -> None:
+    ref = Reference(gdn_hybrid(2), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest)
+    try:
+        with pytest.raises(xk.ArgumentError, match=message):
+            dec.expect("bad", ["tcp://127.0.0.1:1"], {"kv": [1]}, skip=skip)  # type: ignore[arg-type]
+        dec.expect("bad", ["tcp://127.0.0.1:1"], {"kv": [1]}).abort(0)  # the id was not taken
+    finally:
+        dec.close()

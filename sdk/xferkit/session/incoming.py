@@ -48,6 +48,7 @@ class Recv:
         self.spec = spec  # as given to expect: session or group addresses
         self.sources: tuple[str, ...] = ()  # every source rank's session address, once resolved
         self.slots: dict[str, np.ndarray] = slots
+        self.skip: dict[str, int] = {}  # destination slots of a pool held already (a prefix)
         self.registration = registration
         self.deadline = deadline
         self.needed: dict[str, Source] = {}
@@ -174,6 +175,7 @@ class Incoming:
                 registration=rec.registration,
                 staging=need.slice if need is not None else 0,
                 staging_bytes=need.offer if need and need.slice else 0,
+                skip=rec.skip,
             )
             self.out.send(u.conn, request)
             rec.requested.add(address)

@@ -66,10 +66,11 @@ class Protocol:
 
     def expect(
         self, handle: object, rid: str, spec: tuple[str, ...], slots: dict[str, np.ndarray],
-        registration: int, now: float,
+        registration: int, skip: dict[str, int], now: float,
     ) -> list[act.Action]:  # fmt: skip
         self._enter(now)
         rec = self.incoming.expect(handle, rid, spec, slots, registration, now)
+        rec.skip = skip
         self._resolve(rec, now)
         return self.out.take()
 

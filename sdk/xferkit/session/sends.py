@@ -51,6 +51,7 @@ class Dst:
         self.needed = msg.needed
         self.slots = slots
         self.cursor = dict.fromkeys(self.slots, 0)
+        self.skip: dict[str, int] = dict(msg.skip)  # destination slots held: see skipping()
         self.seq = 0  # writes posted
         self.planned = 0  # writes posted or still to post (staged rounds): the total, once last
         self.last = False
@@ -77,6 +78,14 @@ class Dst:
             ratio = pages(pool)
             if ratio is None:  # no region of it here (another pipeline stage's): none of ours
                 continue
+            left = self._skipping(pool, ratio)
+            if isinstance(left, str):
+                return left
+            if left:  # the first source slots fill what the destination holds already
+                drop = min(left, src.size)
+                src, self.skip[pool] = src[drop:], drop - left
+                if not src.size:
+                    continue
             count, problem = _dst_count(src.size, ratio, last)
             room = have.size - at
             if not problem and count > room:
@@ -103,6 +112,24 @@ class Dst:
                 )
             self.last = True
         return request, spans
+
+    def _skipping(self, pool: str, pages: tuple[int, int]) -> int | str:
+        """Source slots of ``pool`` still to skip, or why the skip cannot be honoured.
+
+        ``skip`` holds the Request's count of destination slots (>= 0) until the first chunk
+        naming the pool turns it into source slots still to skip (stored negated, <= 0).
+        """
+        n = self.skip.get(pool, 0)
+        if n <= 0:
+            return -n
+        ks, kd = pages
+        if n * kd % ks:
+            return (
+                f"{self.down.where()} holds the first {n} destination slots of pool {pool!r} "
+                f"already, which end inside a source slot (a source slot holds {ks} pages, a "
+                f"destination slot {kd}): skip a whole number of source slots"
+            )
+        return n * kd // ks
 
 
 def _dst_count(n: int, pages: tuple[int, int], last: bool) -> tuple[int, str]:

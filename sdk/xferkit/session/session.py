@@ -32,6 +32,7 @@ from .config import SessionConfig, open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
 from .keys import SessionKeys
+from .prefix import check_skip
 from .protocol import Protocol
 from .roster import GROUP
 from .rounds import Staging, copier_of
@@ -234,18 +235,25 @@ class Session(Closing):
     # -- engine calls ----------------------------------------------------------------
 
     def expect(
-        self, request_id: str, source: str | Iterable[str], slots: Mapping[str, Any]
+        self,
+        request_id: str,
+        source: str | Iterable[str],
+        slots: Mapping[str, Any],
+        skip: Mapping[str, int] | None = None,
     ) -> Receive:
         """Decode side: receive ``request_id`` into ``slots[pool]`` from the source ranks: every
         session address in ``source``, every rank of a group address (``group_address``); the
-        plans pick the ones needed."""
+        plans pick the ones needed. ``skip[pool]``: the request's first slots of ``pool`` this
+        rank holds already (a prefix cache hit; ``slots`` names the rest): the sources' pages
+        that would fill them are not sent (docs/engine.md, "Prefix delta")."""
         self._check_open("expect")
         rid = self._check_id(request_id)
         sources = self._check_sources(source, "expect")
         checked = self._local_slots(slots, f"request {rid!r}: expect()")
+        held = check_skip(skip, checked, f"request {rid!r}: expect()")
         self._claim(rid)
         handle = Receive(self, rid)
-        self._submit(("expect", handle, rid, sources, checked, self.backend.generation))
+        self._submit(("expect", handle, rid, sources, checked, self.backend.generation, held))
         return handle
 
     def offer(self, request_id: str) -> Send:

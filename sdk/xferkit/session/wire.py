@@ -39,9 +39,10 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
 Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE)]
 Stage = Annotated[str, msgspec.Meta(max_length=32)]
+Pool = Annotated[str, msgspec.Meta(max_length=256)]
 Slots = Annotated[
     dict[
-        Annotated[str, msgspec.Meta(max_length=256)],
+        Pool,
         Annotated[bytes, msgspec.Meta(max_length=4 * MAX_SLOTS)],
     ],
     msgspec.Meta(max_length=256),
@@ -107,7 +108,9 @@ class Request(_Msg, frozen=True, tag="request"):
     connection may then abort, fail or unpack it. ``needed`` is False when the plans say
     this source writes nothing into this destination rank; the source still counts it,
     so it knows when every destination rank of the request has been served. ``slots``
-    packs each pool's slot indices as ``SLOT``. ``failed`` (with ``stage``) claims the
+    packs each pool's slot indices as ``SLOT``; ``skip[pool]`` destination slots' worth of
+    the request's first pages are held here already (a prefix cache), so the source's
+    pages that would fill them are not sent. ``failed`` (with ``stage``) claims the
     place for a request that already failed on the decode side (before it could ask):
     the prefill rank fails it with that text and writes nothing.
     """
@@ -121,6 +124,9 @@ class Request(_Msg, frozen=True, tag="request"):
     staging_bytes: U64 = 0
     stage: Stage = ""
     failed: Text = ""
+    skip: Annotated[dict[Pool, Count], msgspec.Meta(max_length=256)] = msgspec.field(
+        default_factory=dict
+    )
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -150,9 +156,6 @@ class Fail(_Msg, frozen=True, tag="fail"):
     gen: U64
     stage: Stage
     text: Text
-
-
-Pool = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 class Round(msgspec.Struct, frozen=True, array_like=True):

@@ -183,7 +183,7 @@ class Engine:
         rank, h = got
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in use.dst.items()}
         sources = (PREFILL, *self.w.instances[0][1:]) if use.decoy else use.sources
-        self.w.call(rank, "expect", h, use.rid, sources, arrays, 1)
+        self.w.call(rank, "expect", h, use.rid, sources, arrays, 1, {})
         rec = rank.proto.incoming.recvs.get(use.rid)
         if rec is not None and rec.handle is h:  # its writes carry this claim's generation
             rank.memory.serials[use.rid, rec.gen] = use.serial
