@@ -153,10 +153,12 @@ class Session(Closing):
                 f"({staging_bytes}); pass staging='never' to stage nothing"
             )
         copier = copier_of(manifest) if staging != "never" else None
-        if copier is None:  # nothing to copy with (device memory, for now): direct only
+        if copier is None:  # nothing to copy with (mixed devices, no torch): direct only
             staging = "never"
         self._copier = copier or CPU  # copies nothing while staging is off
-        self._staging = Staging(manifest, staging_bytes if staging != "never" else 0)
+        self._staging = Staging(
+            manifest, staging_bytes if staging != "never" else 0, self._copier.device
+        )
         registered = self._staging.manifest
         if backend.manifest is None:
             backend.register(registered)
