@@ -167,3 +167,27 @@ def test_without_torch_a_gpu_copier_is_a_capability_error_saying_to_install_it()
     lines = run.stdout.strip().splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["cuda:0", "cpu"]
     assert all("torch is not installed" in line and "xferkit[torch]" in line for line in lines)
+
+
+ANYTHING = st.one_of(
+    st.none(),
+    st.integers(),
+    st.text(max_size=8),
+    st.binary(max_size=4),
+    st.lists(st.text(max_size=3), max_size=2),
+    st.sampled_from(["cpu", "cuda:0", "cuda:12", "torch", "numpy", float("nan")]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ANYTHING, ANYTHING)
+def test_copier_for_with_any_arguments_gives_a_copier_or_a_capability_error(
+    device: object, using: object
+) -> None:
+    try:
+        got = copier_for(device, using=using)  # type: ignore[arg-type]
+    except CapabilityError as e:
+        assert e.subject in (device, using)  # containment checks identity first (nan)
+        return
+    assert device == "cpu" and got.device == "cpu"
+    assert isinstance(got, TorchCopier) == (using == "torch")
