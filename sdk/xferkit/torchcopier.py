@@ -71,7 +71,10 @@ class TorchCopier:
     """Copies through torch on one device (``cuda:N``, or ``cpu`` to run the same code)."""
 
     def __init__(self, device: str) -> None:
-        kind, index = parse_device(device)  # callers pass a parsed device (copier_for)
+        try:
+            kind, index = parse_device(device)
+        except ValueError as e:
+            raise CapabilityError(f"no copier for device {device!r}: {e}", subject=device) from None
         torch = self._torch = _torch(device)
         if kind == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -123,7 +126,7 @@ class TorchCopier:
             d.view.copy_(s.view)
             return
         # index_select gathers straight into the destination when that is contiguous memory.
-        into = d.rows is None and s.items is None and d.view.is_contiguous()
+        into = d.rows is None and not s.items and d.view.is_contiguous()
         n, step = len(src), max(1, self._chunk // length)
         for i in range(0, n, step):
             j = min(n, i + step)

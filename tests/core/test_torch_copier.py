@@ -191,3 +191,10 @@ def test_copier_for_with_any_arguments_gives_a_copier_or_a_capability_error(
         return
     assert device == "cpu" and got.device == "cpu"
     assert isinstance(got, TorchCopier) == (using == "torch")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", 0, None])
+def test_a_torch_copier_for_no_device_is_refused_naming_it(device: object) -> None:
+    with pytest.raises(CapabilityError, match="neither 'cpu' nor 'cuda:N'") as caught:
+        TorchCopier(device)  # type: ignore[arg-type]
+    assert caught.value.subject == device
