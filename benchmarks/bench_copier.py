@@ -6,8 +6,10 @@ worst case for per-piece cost) into a packed staging buffer (pack) or back
 (unpack): every other row (the NHD 4->8 shape, a constant stride), a random
 half in order (pages scattered through a pool), or a random half in random
 order on both sides (general). Beside each: ``np.copyto`` of the every-other-row
-strided view (what a copier that knew the layout could do) and one memcpy of
-as many bytes (the ceiling), measured in the same run.
+strided view (what a copier that knew the layout could do), the torch copier
+on the same host memory (``copier_for("cpu", using="torch")``: the code a GPU's
+staging runs, here on the CPU) and one memcpy of as many bytes (the ceiling),
+measured in the same run.
 Run: `python benchmarks/bench_copier.py`.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 from report import Column, script, timed
 
-from xferkit.copier import copy_pieces
+from xferkit.copier import copier_for, copy_pieces
 
 MIB = 1 << 20
 
@@ -71,12 +73,14 @@ def run(size_mib: int, repeat: int) -> list[dict[str, Any]]:
     def memcpy() -> None:  # the same bytes, one call: the ceiling
         ctypes.memmove(_addr(stage), _addr(other), half)
 
+    torch_copier = copier_for("cpu", using="torch")  # needs the torch extra
     rows = []
     for length in (256, 16):
         for direction, pattern in CASES:
             (pool, packed, nbytes), strided = _case(rng, big, stage, length, pattern)
             args = (packed, pool, nbytes) if direction == "unpack" else (pool, packed, nbytes)
             copier = timed(functools.partial(copy_pieces, *args), repeat, warm=True)
+            torch = timed(functools.partial(torch_copier.copy, *args), repeat, warm=True)
             rows.append(
                 {
                     "case": f"{direction} {length} B",
@@ -85,6 +89,7 @@ def run(size_mib: int, repeat: int) -> list[dict[str, Any]]:
                     "bytes": half,
                     "copier_gbps": half / copier.median / 1e9,
                     "copier_best_gbps": half / copier.best / 1e9,
+                    "torch_gbps": half / torch.median / 1e9,
                     "copyto_strided_gbps": half / timed(strided, repeat, warm=True).median / 1e9,
                     "memcpy_gbps": half / timed(memcpy, repeat, warm=True).median / 1e9,
                     "copier_ms": copier.median * 1e3,
@@ -100,6 +105,7 @@ COLUMNS = [
     Column("MiB", lambda r: r["bytes"] / MIB, ".0f", 5),
     Column("copier GB/s", "copier_gbps", ".2f", 13),
     Column("best", "copier_best_gbps", ".2f", 7),
+    Column("torch GB/s", "torch_gbps", ".2f", 12),
     Column("copyto GB/s", "copyto_strided_gbps", ".2f", 13),
     Column("memcpy GB/s", "memcpy_gbps", ".2f", 13),
     Column("copier ms", "copier_ms", ".1f", 11),

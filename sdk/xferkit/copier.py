@@ -17,7 +17,8 @@ re-checks them.
 
 from __future__ import annotations
 
-from typing import Any, Final, NamedTuple, Protocol
+from collections.abc import Iterator
+from typing import Any, Final, Literal, NamedTuple, Protocol, get_args
 
 import numpy as np
 
@@ -80,25 +81,38 @@ class CpuCopier:
 CPU: Final = CpuCopier()
 
 
-def copier_for(device: str) -> Copier:
-    """The copier for memory on ``device``.
+Using = Literal["numpy", "torch"]
+USINGS: Final[tuple[Using, ...]] = get_args(Using)
 
-    Only host memory is copied in-process today; a CUDA copier (through torch,
-    loaded lazily) is the planned next one. Asking for any other device is a
-    capability the build lacks, refused before anything is copied, so it is a
-    ``CapabilityError`` whose ``subject`` is the device.
+
+def copier_for(device: str, *, using: Using | None = None) -> Copier:
+    """The copier for memory on ``device``: numpy for ``cpu``, torch for ``cuda:N``.
+
+    ``using="torch"`` asks for the torch copier on host memory too: the very
+    code a CUDA copy runs, bar how a tensor is made over an address (so it is
+    tested and measured without a GPU). A copier the build or machine lacks
+    (no torch, no such CUDA device, numpy for device memory) is refused before
+    anything is copied: a ``CapabilityError`` whose ``subject`` is the device.
     """
     try:
         kind, _ = parse_device(device)
     except ValueError as e:
         raise CapabilityError(f"no copier for device {device!r}: {e}", subject=device) from None
-    if kind == "cpu":
+    if using is not None and (not isinstance(using, str) or using not in USINGS):
+        raise CapabilityError(
+            f"no copier for device {device!r} using {using!r}: use one of {USINGS} or None",
+            subject=using,
+        )
+    if using == "numpy" and kind != "cpu":
+        raise CapabilityError(
+            f"no copier for device {device!r} using numpy: numpy reaches host memory only",
+            subject=device,
+        )
+    if kind == "cpu" and using != "torch":
         return CPU
-    raise CapabilityError(
-        f"no copier for device {device!r}: only host memory ('cpu') is copied in-process "
-        "so far; stage such memory through a driver that registers it",
-        subject=device,
-    )
+    from .torchcopier import TorchCopier  # imports torch itself, on first use
+
+    return TorchCopier(device)
 
 
 def copy_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
@@ -107,6 +121,19 @@ def copy_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
     Internal: the addresses must be valid memory, destinations must not
     overlap each other nor any source (the planner proves it; nothing here
     checks). Python work is per distinct length and per MiB, never per piece.
+    """
+    for s, d, length in groups(src, dst, nbytes):
+        _copy_group(s, d, length)
+
+
+def groups(
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """The pieces as (sources, destinations, length) groups of one length each, none empty.
+
+    Each group keeps the caller's order; rare lengths are first split into blocks
+    (``_split_rare``), so there are few groups however the lengths vary. Any
+    copier shares this: only how one group is copied is its own.
     """
     src, dst, nbytes = (np.asarray(a, dtype=np.uint64).reshape(-1) for a in (src, dst, nbytes))
     if not len(src) == len(dst) == len(nbytes):
@@ -118,7 +145,7 @@ def copy_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
     first = int(nbytes[0])
     if _constant(nbytes, first):  # the usual case, without a sort
         if first:
-            _copy_group(src, dst, first)
+            yield src, dst, first
         return
     shortest = int(nbytes.min())
     if shortest == 0:
@@ -132,7 +159,7 @@ def copy_pieces(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
     ends = np.cumsum(counts).tolist()
     for length, start, end in zip(lengths.tolist(), [0, *ends], ends, strict=False):
         pick = order[start:end]
-        _copy_group(src[pick], dst[pick], length)
+        yield src[pick], dst[pick], length
 
 
 def _split_rare(

@@ -133,7 +133,7 @@ def test_a_skip_ending_inside_a_source_slot_fails_both_sides_naming_the_pool() -
         send = pre.offer("odd")
         send.write({"kv": [0, 1, 2]}, last=True)
         for h in (recv, send):
-            with pytest.raises(RequestError, match="pool 'kv'.*inside a source slot") as info:
+            with pytest.raises(RequestError, match=r"pool 'kv'.*inside a source slot") as info:
                 h.wait(10)
             assert info.value.stage == "plan"
         ref.check(0, {})  # nothing landed

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,21 +40,39 @@ def copier_of(manifest: Manifest) -> Copier | None:
 
 class Staging:
     """A Session's staging buffer and the manifest that advertises it after the engine's regions
-    (so writes into it pass the same bounds checks as any)."""
+    (so writes into it pass the same bounds checks as any).
 
-    def __init__(self, manifest: Manifest, nbytes: int) -> None:
-        self.buffer = np.empty(nbytes, dtype=np.uint8)
+    The buffer lives where the copier copies: host memory for ``cpu``, a torch
+    allocation on ``cuda:N`` (a copy between a GPU's regions and host staging
+    would cross PCIe twice, and its kernels could not reach pageable memory).
+    """
+
+    def __init__(self, manifest: Manifest, nbytes: int, device: str = "cpu") -> None:
+        self.buffer, self.addr = _allocate(nbytes, device)
+        self.size = nbytes
         self.manifest = manifest
         if nbytes:
-            self.buffer[::4096] = 0  # fault it in now rather than on the first request
             region = Region.from_array(self.buffer, pool=STAGING_POOL, name="staging", layer=0)
             self.manifest = Manifest(
                 (*manifest.regions, region), manifest.tp_rank, manifest.tp_size, manifest.dropped
             )
 
     def arena(self, slice_bytes: int) -> Arena:
-        size = self.buffer.size
-        return Arena(int(self.buffer.ctypes.data) if size else 0, size, slice_bytes if size else 0)
+        size = self.size
+        return Arena(self.addr if size else 0, size, slice_bytes if size else 0)
+
+
+def _allocate(nbytes: int, device: str) -> tuple[Any, int]:
+    """``nbytes`` of memory on ``device`` (faulted in on the host), and its address."""
+    if device == "cpu" or not nbytes:
+        host = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            host[::4096] = 0  # fault it in now rather than on the first request
+        return host, int(host.ctypes.data)
+    import torch  # only a device copier leads here, and it imported torch already
+
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return gpu, int(gpu.data_ptr())
 
 
 ALIGN = 64  # staging pieces start on cache lines (a copy into one never shares a line)

@@ -154,10 +154,12 @@ class Session(Closing):
                 f"({staging_bytes}); pass staging='never' to stage nothing"
             )
         copier = copier_of(manifest) if staging != "never" else None
-        if copier is None:  # nothing to copy with (device memory, for now): direct only
+        if copier is None:  # nothing to copy with (mixed devices, no torch): direct only
             staging = "never"
         self._copier = copier or CPU  # copies nothing while staging is off
-        self._staging = Staging(manifest, staging_bytes if staging != "never" else 0)
+        self._staging = Staging(
+            manifest, staging_bytes if staging != "never" else 0, self._copier.device
+        )
         registered = self._staging.manifest
         if backend.manifest is None:
             backend.register(registered)
@@ -235,12 +237,9 @@ class Session(Closing):
     # -- engine calls ----------------------------------------------------------------
 
     def expect(
-        self,
-        request_id: str,
-        source: str | Iterable[str],
-        slots: Mapping[str, Any],
+        self, request_id: str, source: str | Iterable[str], slots: Mapping[str, Any],
         skip: Mapping[str, int] | None = None,
-    ) -> Receive:
+    ) -> Receive:  # fmt: skip
         """Decode side: receive ``request_id`` into ``slots[pool]`` from the source ranks: every
         session address in ``source``, every rank of a group address (``group_address``); the
         plans pick the ones needed. ``skip[pool]``: the request's first slots of ``pool`` this
