@@ -244,6 +244,51 @@ def test_a_decode_rank_that_said_bye_still_gets_the_abortack_it_waits_for() -> N
     assert recv.state is State.FAILED and net.failed_with_writes == []
 
 
+def _closed_at_done(net: Net, last: bool) -> tuple[Handle, Handle, int]:
+    """The decode rank is told its write landed (the notification, after the data) before
+    the prefill's driver says the write ended; the decode engine closes at once: its Bye
+    reaches the prefill with the write still in the prefill's driver."""
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    send = net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=last)
+    (write,) = net.writes.values()
+    if last:
+        assert write.note is not None
+        net.apply("dec", net.dec.notification("loopback:p-drv", write.note, net.now))
+        assert recv.state is State.DONE
+    net.to_pre.append((b"D", wire.Bye(incarnation=net.dec.s.incarnation, reason="closed")))
+    net.deliver()
+    return recv, send, write.wid
+
+
+def test_a_decode_rank_closing_at_done_leaves_the_prefill_done() -> None:
+    """Before: the Bye failed the prefill's request (peer lost) although every byte had
+    landed and the decode rank said DONE (21 of 30 runs of two Sessions closing at DONE)."""
+    net = Net()
+    recv, send, wid = _closed_at_done(net, last=True)
+    assert send.state is not State.FAILED and send.failing is None
+    net.apply("pre", net.pre.write_ended(wid, "", net.now))
+    assert send.state is State.DONE and recv.state is State.DONE
+
+
+def test_a_bye_with_the_last_write_failing_still_fails_the_prefill() -> None:
+    net = Net()
+    _, send, wid = _closed_at_done(net, last=True)
+    net.apply("pre", net.pre.write_ended(wid, "connection reset", net.now))
+    assert send.state is State.FAILED and send.error is not None
+    assert send.error.stage == "transfer" and "connection reset" in str(send.error)
+
+
+def test_a_bye_before_the_last_chunk_fails_the_prefill_at_once() -> None:
+    """More was to be written: nothing the decode rank could still take."""
+    net = Net()
+    _, send, _ = _closed_at_done(net, last=False)
+    assert send.failing is not None and send.failing.stage == "peer lost"
+    assert "closed its session" in str(send.failing)
+
+
 def _silent_source(net: Net) -> Handle:
     """A request whose source goes silent with its write in the driver, until it is lost."""
     net.handshake()

@@ -21,7 +21,7 @@ from . import actions as act
 from . import wire
 from .core import Out, Settings, log, remember, stage_text
 from .pairs import Down
-from .sends import Dst, Ledger, SendRec, unpack_slots
+from .sends import Dst, Ledger, SendRec, reused, rid_of, unpack_slots
 from .staged import Stager
 from .states import RequestError, State
 
@@ -68,7 +68,7 @@ class Outgoing:
         rec = self.sends.get(rid)
         problem = ""
         if rid in self.ledger.finished:
-            problem = _reused(rid)
+            problem = reused(rid)
         elif rec is not None and place in rec.dsts:
             problem = f"request id {rid!r} was already used by {down.where()} (a second Request)"
         elif rec is not None and rec.dst_size not in (None, shape):
@@ -181,7 +181,7 @@ class Outgoing:
         # A used id fails as its decode ranks are told: a failed one with its root cause.
         error = early or self.ledger.failed.get(rid)
         if error is not None or rid in self.ledger.finished:
-            text = stage_text(rid, "request", self.s.where("prefill"), _reused(rid))
+            text = stage_text(rid, "request", self.s.where("prefill"), reused(rid))
             self.out.failed(handle, error or RequestError(text, stage="request", request_id=rid))
             return
         rec = self._rec(rid, now)
@@ -193,7 +193,7 @@ class Outgoing:
         self._check(rec)
 
     def write(self, handle: object, slots: dict[str, np.ndarray], last: bool, now: float) -> None:
-        rec = self.sends.get(_rid(handle))
+        rec = self.sends.get(rid_of(handle))
         if rec is None or rec.handle is not handle or rec.error is not None:
             return
         rec.chunks.append((slots, last))
@@ -207,7 +207,7 @@ class Outgoing:
         self._check(rec)
 
     def abort(self, handle: object) -> None:
-        rec = self.sends.get(_rid(handle))
+        rec = self.sends.get(rid_of(handle))
         if rec is not None and rec.handle is handle:
             self.fail(rec, "abort", "aborted by the engine")
 
@@ -363,12 +363,14 @@ class Outgoing:
                 )
                 self.out.send(dst.down.conn, msg)
 
-    def down_lost(self, down: Down, why: str) -> bool:
-        """Fail every request ``down`` has a part in; True when nothing of ours still writes
-        to it (so it may be disconnected now)."""
+    def down_lost(self, down: Down, why: str, bye: bool = False) -> bool:
+        """Fail every request ``down`` has a part in, but after its ``Bye`` not one whose writes
+        to it are all posted (their completions decide: it may have closed at DONE); True when
+        nothing of ours still writes to it (so it may be disconnected now)."""
         down.lost = True
-        for rec in [r for r in self.sends.values() if r.dst_of(down) is not None]:
-            self.fail(rec, "peer lost", why, gone=down)
+        for rec, dst in [(r, r.dst_of(down)) for r in list(self.sends.values())]:
+            if dst is not None and not (bye and dst.last and not self.stager.unposted(dst)):
+                self.fail(rec, "peer lost", why, gone=down)
         return down.writes == 0
 
     def tick(self, now: float) -> None:
@@ -388,12 +390,3 @@ class Outgoing:
     def next_deadline(self) -> float:
         ends = (r.deadline if r.lease_until is None else r.lease_until for r in self.sends.values())
         return min(ends, default=float("inf"))
-
-
-def _reused(rid: str) -> str:
-    """Why a finished id is refused: one text for the offer and every decode rank asking."""
-    return f"request id {rid!r} was already used with this prefill rank"
-
-
-def _rid(handle: object) -> str:
-    return handle.request_id  # type: ignore[attr-defined, no-any-return]

@@ -203,7 +203,7 @@ class Protocol:
             if msg.incarnation == down.place.incarnation:
                 self.out.send(down.conn, wire.Pong(incarnation=self.s.incarnation))
         elif isinstance(msg, wire.Bye):
-            self._lose_down(down, f"{down.where()} closed its session: {msg.reason}")
+            self._lose_down(down, f"{down.where()} closed its session: {msg.reason}", bye=True)
         elif not (down.ready or (down.error is not None and isinstance(msg, wire.Request))):
             log.warning(
                 "%s: %s from %s before its Welcome: dropped",
@@ -392,9 +392,9 @@ class Protocol:
         if not any(up.address in r.acks for r in self.incoming.recvs.values()):
             self.pairs.close(up, LINGER_MS)
 
-    def _lose_down(self, down: Down, why: str) -> None:
+    def _lose_down(self, down: Down, why: str, bye: bool = False) -> None:
         """A decode rank is gone: fail its requests; disconnect once our writes to it ended."""
         log.warning("%s: %s", self.s.address, why)
         self.pairs.drop_down(down, why)
-        if self.outgoing.down_lost(down, why) and down.peer is not None:
+        if self.outgoing.down_lost(down, why, bye) and down.peer is not None:
             self.out.add(act.Disconnect(down.peer))

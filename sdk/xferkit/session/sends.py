@@ -238,3 +238,12 @@ class Ledger:
             self.held -= rec.held
             self.waiting -= 1
             rec.held, rec.waiting = 0, False
+
+
+def reused(rid: str) -> str:
+    """Why a finished id is refused: one text for the offer and every decode rank asking."""
+    return f"request id {rid!r} was already used with this prefill rank"
+
+
+def rid_of(handle: object) -> str:
+    return handle.request_id  # type: ignore[attr-defined, no-any-return]

@@ -56,6 +56,7 @@ class Use:
     chunks: list[dict[str, list[int]]]
     reused: bool = False
     decoy: bool = False  # fetched from the hostile prefill: decode ranks only, never written
+    skip: int = 0  # the first KV pages the decode holds already: dst names only the rest
     sources: tuple[str, ...] = ()  # what the decode ranks name: the ranks, or their group
     prefill: list[str] = field(default_factory=list)  # the instance serving it
     decode: list[str] = field(default_factory=list)  # the instance fetching it
@@ -103,13 +104,18 @@ class Engine:
     def begin(self, i: int) -> None:
         rng = self.w.rng
         kv = rng.randint(1, 4)
+        c = self.w.config
+        # A prefix cache hit (drawn only when asked for: the other schedules stay as they were).
+        held = rng.randint(1, kv - 1) if c.skip and kv > 1 and rng.random() < c.skip else 0
         want = {"kv": kv, "state": 1}
+        need = {"kv": kv - held, "state": 1}
         ranks, decode = rng.choice(self.w.instances), rng.choice(self.w.decodes)
-        if any(len(self.free[s[0]][p]) < n for s in (decode, ranks) for p, n in want.items()):
+        if any(len(self.free[s[0]][p]) < n for s, w in ((decode, need), (ranks, want))
+               for p, n in w.items()):  # fmt: skip
             self.w.at(self.w.now + 1.0, self.begin, i)  # no free slots yet
             return
         src = {p: self._take(ranks[0], p, n) for p, n in want.items()}
-        dst = {p: self._take(decode[0], p, n) for p, n in want.items()}
+        dst = {p: self._take(decode[0], p, n) for p, n in need.items()}
         rid, reused = f"r{i}", False
         if "reuse" in self.w.config.faults and self.retired and rng.random() < 0.4:
             rid, reused = self.retired.pop(rng.randrange(len(self.retired))), True
@@ -118,6 +124,7 @@ class Engine:
         chunks = [{"kv": src["kv"][a:b]} for a, b in itertools.pairwise(bounds)]
         chunks[-1]["state"] = src["state"]
         use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused, prefill=ranks, decode=decode)
+        use.skip = held
         grouped = rng.random() < self.w.config.groups
         use.sources = (f"{GROUP}{ranks[0]}",) if grouped else tuple(ranks)
         use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
@@ -183,7 +190,8 @@ class Engine:
         rank, h = got
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in use.dst.items()}
         sources = (PREFILL, *self.w.instances[0][1:]) if use.decoy else use.sources
-        self.w.call(rank, "expect", h, use.rid, sources, arrays, 1, {})
+        skip = {"kv": use.skip} if use.skip else {}
+        self.w.call(rank, "expect", h, use.rid, sources, arrays, 1, skip)
         rec = rank.proto.incoming.recvs.get(use.rid)
         if rec is not None and rec.handle is h:  # its writes carry this claim's generation
             rank.memory.serials[use.rid, rec.gen] = use.serial

@@ -202,7 +202,9 @@ class Checker:
         use = h.use
         index = use.decode.index(rank.name)
         ref = self.w.refs[self.w.decodes.index(use.decode)]
-        want = ref.expected(index, {p: (use.src[p], use.dst[p]) for p in use.dst})
+        # The decode holds the first ``skip`` KV pages: its slots hold the source's after them.
+        pairs = {p: (use.src[p][use.skip if p == "kv" else 0 :], use.dst[p]) for p in use.dst}
+        want = ref.expected(index, pairs)
         for key, array in rank.memory.arrays.items():
             slots = use.dst.get(key[0])
             if slots is None:
@@ -368,6 +370,16 @@ class Checker:
                         f"{h.states[-1].name} when the schedule ended",
                     )
                     return
+        if not self.w.config.faults:  # nothing went wrong, so nothing may fail
+            for u in self.w.engine.uses:
+                for h in u.handles.values():
+                    if h.states[-1] is not State.DONE:
+                        self.violate(
+                            8,
+                            f"{h.rank}: {h.request_id!r} (use {u.serial}) ended "
+                            f"{h.states[-1].name} in a schedule without faults",
+                        )
+                        return
         if len(self.w.engine.uses) < self.w.config.requests:
             self.violate(
                 2,

@@ -22,7 +22,7 @@ from ...session.outgoing import Outgoing
 from ...session.pairs import Pairs
 from ...session.protocol import Protocol
 from ...session.roster import Roster
-from ...session.sends import Ledger
+from ...session.sends import Dst, Ledger
 from . import run
 from .config import FAULTS, Config
 from .invariants import Violation
@@ -298,6 +298,13 @@ MUTATIONS = (
             ),
         ),
         config=(("close_p", 0.5), ("requests", 10)),  # Sessions closed often, writes in flight
+    ),
+    Mutation(
+        "skip-ignored",
+        "a classic: a source ignores the prefix the decode rank holds (expect(skip=))",
+        (Edit(Dst, "take", "left = self._skipping(pool, ratio)", "left = 0"),),
+        faults=frozenset(),  # its requests fail at plan rather than land shifted: invariant 8
+        config=(("skip", 0.5),),
     ),
 )
 

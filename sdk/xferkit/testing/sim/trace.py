@@ -7,6 +7,10 @@ from typing import Any
 import msgspec
 
 
+def _ints(v: Any) -> object:
+    return int(v) if isinstance(v, int) else [int(i) for i in v]
+
+
 def brief(args: tuple[Any, ...]) -> str:
     out = []
     for a in args:
@@ -14,8 +18,8 @@ def brief(args: tuple[Any, ...]) -> str:
             out.append(f"<{a.side} {a.request_id} use {a.use.serial}>")
         elif isinstance(a, bytes) and len(a) > 24:
             out.append(f"<{len(a)} bytes>")
-        elif isinstance(a, dict):
-            out.append("{" + ", ".join(f"{k}: {[int(i) for i in v]}" for k, v in a.items()) + "}")
+        elif isinstance(a, dict):  # slots per pool, or a skip's counts per pool
+            out.append("{" + ", ".join(f"{k}: {_ints(v)}" for k, v in a.items()) + "}")
         elif isinstance(a, msgspec.Struct):
             out.append(type(a).__name__ + _fields(a))
         else:

@@ -212,9 +212,20 @@ class World:
             self.check.connects(rank, actions)
         if join is not None:
             self.check.joined(rank, args[0][1], join, held)
+        if isinstance(msg, wire.Roster) and self.hostile is not None:
+            self._named_hostile(rank)
         self.schedule_timer(rank)
         if forged or self.steps % 8 == 0:  # what the hostile sends makes tables grow
             self.check.bounds(rank)
+
+    def _named_hostile(self, rank: Rank) -> None:
+        """A roster that named the hostile prefill (in a lost member's place: no keys here)
+        makes it a source of the requests it resolved, before any of them asks it anything."""
+        assert self.hostile is not None
+        for rec in rank.proto.incoming.recvs.values():
+            serial = rank.memory.serials.get((rec.rid, rec.gen))
+            if serial is not None and PREFILL in rec.sources:
+                self.hostile.asked.add(serial)
 
     def hostile_first(self, rank: Rank, ident: bytes, rid: str) -> None:
         """Note that the hostile peer's Request for ``rid`` reaches ``rank`` before an honest
