@@ -37,6 +37,7 @@ from xferkit.session import RequestError, State
 from xferkit.testing import Reference, RegionSpec, gdn_hybrid
 
 FAST = {"heartbeat_s": 0.2, "dead_after_s": 2.0, "handshake_timeout_s": 5.0}
+PAGE = 16  # tokens per KV page (KVManager(page_size=)): decode_prefix_len is in tokens
 SLOTS = {"kv": 24, "state": 6, "aux": 6}
 AUX = RegionSpec(pool="aux", name="first_token", layer=0, shape=(16,), itemsize=4)
 TERMINAL = (KVPoll.Failed, KVPoll.Success)
@@ -103,6 +104,7 @@ class Req:
     dst_state: int
     aux: int  # the same aux row index on both sides (each side allocates its own in sglang)
     chunk: int = 2  # pages per prefill chunk
+    prefix: int = 0  # pages the decode's radix cache holds (dst_kv: the pages after them)
     senders: list[KVSender] = field(default_factory=list)
     receivers: list[KVReceiver] = field(default_factory=list)
     sent: int = 0
@@ -149,7 +151,9 @@ class Schedulers:
         if poll is KVPoll.WaitingForInput and not r.allocated:
             r.allocated = True  # pre-allocated: name the pages to the prefill ranks
             for recv in r.receivers:
-                recv.send_metadata(np.array(r.dst_kv, np.int32), r.aux, [r.dst_state])
+                recv.send_metadata(
+                    np.array(r.dst_kv, np.int32), r.aux, [r.dst_state], r.prefix * PAGE
+                )
         elif poll in TERMINAL:
             r.decode_end = poll
             if poll is KVPoll.Failed:
@@ -194,7 +198,10 @@ def _cause(pollers: Sequence[KVSender | KVReceiver]) -> str:
 def _slots(reqs: Sequence[Req]) -> dict[str, tuple[list[int], list[int]]]:
     """What the reference expects for these requests, per pool: (source, destination)."""
     return {
-        "kv": ([p for r in reqs for p in r.src_kv], [p for r in reqs for p in r.dst_kv]),
+        "kv": (
+            [p for r in reqs for p in r.src_kv[r.prefix :]],
+            [p for r in reqs for p in r.dst_kv],
+        ),
         "state": ([r.src_state for r in reqs], [r.dst_state for r in reqs]),
         "aux": ([r.aux for r in reqs], [r.aux for r in reqs]),
     }
@@ -246,6 +253,41 @@ def test_chunked_prefill_lands_byte_exact_across_tp_sizes(src_tp: int, dst_tp: i
         assert all(KVPoll.Bootstrapping not in s for s in seen.values())  # prefill never waits
         metric = reqs[2].senders[0].get_transfer_metric()
         assert metric.transfer_total_bytes and metric.transfer_latency_s is not None
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2)])
+def test_a_decode_prefix_hit_receives_only_the_pages_after_it(src_tp: int, dst_tp: int) -> None:
+    """The decode's radix cache holds a prompt's first pages (``decode_prefix_len``, whole
+    pages): it allocates and names only the rest, while the prefill sends every page as
+    usual, a chunk straddling the prefix included. The reference checks every decode byte:
+    the pages after the prefix hold the prompt's pages after it (not its first ones), and
+    the cached pages (slots never named) keep theirs. A full hit names no page and
+    still gets its aux row and state. Before ``skip``, any prefix was refused."""
+    with world(src_tp, dst_tp, page_size=PAGE) as w:
+        reqs = [
+            Req(21, [0, 1, 2, 3, 4, 7, 8], [20, 3, 9, 10, 11], 1, 4, 0, chunk=3, prefix=2),
+            Req(22, [9, 10, 11], [13], 2, 0, 1, chunk=2, prefix=2),
+            Req(23, [14, 15], [], 3, 1, 2, chunk=1, prefix=2),  # the whole prompt is cached
+        ]
+        sched = Schedulers(w, reqs)
+        for r in reqs:
+            sched.admit(r)
+        sched.run()
+        assert all(r.decode_end is KVPoll.Success for r in reqs), [r.decode_error for r in reqs]
+        assert all(r.prefill_end is KVPoll.Success for r in reqs), [r.prefill_error for r in reqs]
+        for i in range(dst_tp):
+            w.ref.check(i, _slots(reqs))
+
+
+def test_a_prefix_not_made_of_whole_pages_is_refused_naming_it() -> None:
+    with world(1, 1, page_size=PAGE) as w:
+        recv = KVReceiver(w.dec[0], w.addr, 31)
+        for bad, message in ((PAGE + 1, "17 is not a multiple of page_size 16"),
+                             (-PAGE, "non-negative int"), (1.5, "non-negative int")):  # fmt: skip
+            with pytest.raises(xk.ArgumentError, match=message):
+                recv.send_metadata([1], 0, [0], decode_prefix_len=bad)  # type: ignore[arg-type]
+        recv.send_metadata([1], 0, [0], decode_prefix_len=0)  # nothing held: the slots as named
+        recv.abort()
 
 
 @pytest.fixture(scope="module")
@@ -507,8 +549,10 @@ def test_misuse_is_named() -> None:
         with pytest.raises(xk.ArgumentError, match="decode KVManager"):
             KVReceiver(w.pre[0], w.addr, 72)
         recv = KVReceiver(w.dec[0], w.addr, 73)
-        with pytest.raises(xk.ArgumentError, match="prefix hit"):
+        with pytest.raises(xk.ArgumentError, match="needs the page size"):
             recv.send_metadata([1], 0, [0], decode_prefix_len=16)
+        with xk.open_backend("loopback") as b, pytest.raises(xk.ArgumentError, match="page_size"):
+            KVManager(b, w.ref.dsts[0].manifest, "decode", page_size=0)
         with pytest.raises(xk.ArgumentError, match="DP rank"):
             recv.init(1)
         with xk.open_backend("loopback") as b, pytest.raises(xk.ArgumentError, match="pool"):
@@ -554,6 +598,7 @@ def test_any_argument_succeeds_or_raises_an_xfer_error(pair: World, x: Any, y: A
         lambda: _refused(lambda b: KVManager(b, w.ref.srcs[0].manifest, "prefill", bootstrap=x)),
         lambda: _refused(lambda b: KVManager(b, w.ref.srcs[0].manifest, "decode", kv_pool=x)),
         lambda: _refused(lambda b: KVManager(b, w.ref.srcs[0].manifest, "decode", state_pool=x)),
+        lambda: _refused(lambda b: KVManager(b, w.ref.srcs[0].manifest, "decode", page_size=x)),
         lambda: summarize(x),
         lambda: verdicts(x, y, z),
         lambda: poll_and_all_reduce(x, lambda rows: rows),
@@ -569,7 +614,11 @@ def test_any_argument_succeeds_or_raises_an_xfer_error(pair: World, x: Any, y: A
         with contextlib.suppress(xk.XferError):
             call()
     recv = KVReceiver(w.dec[0], w.addr, room)
-    for call in (lambda: recv.init(x), lambda: recv.send_metadata(x, y, z)):
+    for call in (
+        lambda: recv.init(x),
+        lambda: recv.send_metadata(x, y, z),
+        lambda: recv.send_metadata([1], 0, None, x),
+    ):
         with contextlib.suppress(xk.XferError):
             call()
     send.abort()

@@ -78,6 +78,7 @@ class Instance:
         self.kv: dict[str, dict[str, np.ndarray]] = {}  # a request's blocks when it finished
         self.failed: dict[str, set[int]] = {}
         self.recomputed: set[str] = set()
+        self.cache: dict[str, list[int]] = {}  # request id -> its prompt's first blocks, cached
 
     def compute(self, req: Request) -> None:
         ids = self.blocks[req.request_id]
@@ -101,9 +102,11 @@ class Instance:
 
     def step(self) -> None:
         for req in self.waiting:
-            count, load_async = self.sched.get_num_new_matched_tokens(req, 0)
-            ids = [self.free.pop(0) for _ in range(math.ceil(len(req.prompt_token_ids) / BS))]
-            self.blocks[req.request_id] = ids
+            hit = self.cache.pop(req.request_id, [])  # vLLM's local prefix cache hit
+            count, load_async = self.sched.get_num_new_matched_tokens(req, len(hit) * BS)
+            need = math.ceil(len(req.prompt_token_ids) / BS) - len(hit)
+            ids = [self.free.pop(0) for _ in range(need)]
+            self.blocks[req.request_id] = hit + ids
             assert count is not None
             self.sched.update_state_after_alloc(req, Blocks(ids), count if load_async else 0)
             if load_async:
@@ -211,6 +214,41 @@ def test_a_prefill_hands_its_requests_to_a_decode_byte_exact() -> None:
                 np.testing.assert_array_equal(pre.kv[rid][name], want[name])
         assert not dec.failed and not dec.recomputed
         assert set(held["a"]).isdisjoint(set(held["b"]))
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_local_prefix_hit_loads_only_the_blocks_after_it() -> None:
+    """The decode's prefix cache holds a prompt's first blocks: vLLM computes them locally
+    (``num_computed_tokens``) and allocates new blocks for the rest only. The prefill still
+    writes every block; the load skips the ones the cache holds. The cached blocks hold the
+    decode's own copy (a marker here, so a write into them shows) and keep it; the new
+    blocks hold the prompt's blocks after the prefix, byte-exact (without the skip they
+    would get its first ones); the prefill's blocks free once reported sent."""
+    pre, dec = Instance(), Instance()
+    dec.free.reverse()
+    prompts = {"a": list(range(13)), "b": list(range(50, 59))}  # 4 and 3 blocks
+    hits = {"a": 2, "b": 1}  # blocks cached on the decode
+    try:
+        for rid, prompt in prompts.items():
+            pre.waiting.append(Request(rid, prompt, {"do_remote_decode": True}))
+        run([pre], lambda: set(pre.params) == set(prompts))
+        assert set(pre.held) == set(prompts) and len(pre.free) == BLOCKS - 7
+        for rid, n in hits.items():
+            cached = dec.cache[f"d-{rid}"] = [dec.free.pop() for _ in range(n)]
+            for name in NAMES:
+                dec.caches[0][name][:, cached] = -float(n)
+            dec.waiting.append(decode_of(pre, rid, prompts[rid]))
+        run([pre, dec], lambda: len(dec.outcome) == 2 and not pre.held)
+        assert sorted(pre.free) == list(range(BLOCKS)) and sorted(dec.free) == list(range(BLOCKS))
+        for rid, prompt in prompts.items():
+            n, got, want = hits[rid], dec.kv[f"d-{rid}"], computed(prompt)
+            assert dec.outcome[f"d-{rid}"] == "finished_stopped"
+            for name in NAMES:
+                np.testing.assert_array_equal(got[name][:, n:], want[name][:, n:])
+                assert (got[name][:, :n] == -float(n)).all()
+        assert not dec.failed and not dec.recomputed
     finally:
         pre.close()
         dec.close()
@@ -354,12 +392,21 @@ def test_the_scheduler_side_offers_only_what_finished_well() -> None:
     d = Request("d", [1] * 9, dict(params), 0)
     assert s.get_num_new_matched_tokens(d, 0) == (9, True)
     assert s.get_num_new_matched_tokens(d, 0) == (9, True)  # no side effects
-    assert s.get_num_new_matched_tokens(d, 4) == (0, False)  # a local prefix hit loads nothing
+    assert s.get_num_new_matched_tokens(d, 4) == (5, True)  # a local hit: the rest loads
+    assert s.get_num_new_matched_tokens(d, 9) == (0, False)  # all of it computed here
+    with pytest.raises(xk.ArgumentError, match=r"3 tokens.*not whole blocks of 4"):
+        s.get_num_new_matched_tokens(d, 3)
     s.update_state_after_alloc(d, Blocks([9, 8, 7]), 9)
     s.update_state_after_alloc(d, Blocks([1]), 9)  # the second call, after the load: ignored
     load = s.build_connector_meta(SchedulerOutput()).loads["d"]
     assert load.transfer_id == "z" and load.blocks.tolist() == [9, 8]
-    assert load.sources == ("tcp://127.0.0.1:9",)
+    assert load.sources == ("tcp://127.0.0.1:9",) and load.skip == 0
+    hit = Request("h", [1] * 9, {**params, "remote_num_blocks": 3}, 0)
+    with pytest.raises(xk.ArgumentError, match=r"3 tokens.*not whole blocks"):
+        s.update_state_after_alloc(hit, Blocks([6, 5]), 6)
+    s.update_state_after_alloc(hit, Blocks([6, 5]), 5)  # 4 tokens (a block) cached here
+    load = s.build_connector_meta(SchedulerOutput()).loads["h"]
+    assert load.skip == 1 and load.blocks.tolist() == [6, 5]
     with pytest.raises(xk.XferError, match="worker-side"):
         s.start_load_kv(None)
 

@@ -101,7 +101,10 @@ class KVManager(Closing):
     the router hands each decode request: the group address. ``kv_pool``,
     ``aux_pool`` and ``state_pool`` name the pools that page indices, the aux
     (metadata) row and plain state indices go to (``aux_pool=None``: no aux
-    row moves). ``session_options`` are ``Session``'s keywords.
+    row moves). ``page_size``: tokens per page of ``kv_pool`` (sglang's ``page_size``),
+    needed only to turn a decode's ``decode_prefix_len`` into pages; it has no default, so
+    a prefix never silently skips the wrong number of pages. ``session_options`` are
+    ``Session``'s keywords.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class KVManager(Closing):
         kv_pool: str = "kv",
         aux_pool: str | None = "aux",
         state_pool: str | None = "state",
+        page_size: int | None = None,
         **session_options: Any,
     ) -> None:
         mode = getattr(mode, "value", mode)
@@ -139,7 +143,10 @@ class KVManager(Closing):
                 raise ArgumentError(
                     f"{name} {pool!r} is not a pool of the manifest {sorted(known)}"
                 )
+        if page_size is not None and not _count(page_size, "page_size"):
+            raise ArgumentError("page_size is at least 1, not 0", subject=page_size)
         self.mode: str = mode
+        self.page_size = None if page_size is None else int(page_size)
         self.kv_pool, self.aux_pool, self.state_pool = kv_pool, aux_pool, state_pool
         self.session = Session(backend, manifest, group=bootstrap, **session_options)
         self.bootstrap_addr: str | None = None
@@ -339,22 +346,46 @@ class KVReceiver(_Poller):
         state_indices: object = None,
         decode_prefix_len: int | None = None,
     ) -> None:
-        """Name this rank's destination pages, aux row and state slots (``expect``)."""
+        """Name this rank's destination pages, aux row and state slots (``expect``).
+
+        ``decode_prefix_len``: prompt tokens this rank's radix cache holds already (whole
+        pages); ``kv_indices`` are then the pages after them, as sglang's decode allocates
+        only the prompt's tail. The prefill still sends every page: ``expect(skip=)`` drops
+        those that would fill the cached ones."""
         what = f"request {self.room!r}: send_metadata()"
         if self._handle.failing is not None:  # aborted (or failed) already: say why
             raise self._handle.failing
         if self._sent:
             raise ArgumentError(f"{what} twice", subject=self.room)
-        if decode_prefix_len is not None and _count(decode_prefix_len, "decode_prefix_len"):
-            raise ArgumentError(
-                f"{what}: decode_prefix_len {decode_prefix_len}: a decode-side prefix hit "
-                "is not supported (the prefill maps its chunks onto the slots from the first)"
-            )
+        held = self._held(decode_prefix_len, what)
         kv = _indices(kv_indices, f"{what}: kv_indices")
         aux = None if aux_index is None else _count(aux_index, "aux_index")
         slots = self.mgr._slots(kv, aux, state_indices, what)
-        self._handle = self.mgr.session.expect(self.room, self.source, slots)
+        skip = {self.mgr.kv_pool: held} if held else None
+        self._handle = self.mgr.session.expect(self.room, self.source, slots, skip=skip)
         self._sent = True
+
+    def _held(self, decode_prefix_len: object, what: str) -> int:
+        """The pages of ``kv_pool`` a ``decode_prefix_len`` holds, or an ArgumentError."""
+        if decode_prefix_len is None:
+            return 0
+        tokens = _count(decode_prefix_len, f"{what}: decode_prefix_len")
+        if not tokens:
+            return 0
+        page = self.mgr.page_size
+        if page is None:
+            raise ArgumentError(
+                f"{what}: decode_prefix_len {tokens} needs the page size "
+                "(KVManager(page_size=) on the decode)",
+                subject=decode_prefix_len,
+            )
+        if tokens % page:
+            raise ArgumentError(
+                f"{what}: decode_prefix_len {tokens} is not a multiple of page_size {page} "
+                "(a radix cache holds whole pages)",
+                subject=decode_prefix_len,
+            )
+        return tokens // page
 
     def _shown(self, state: State) -> KVPoll:
         if state is State.HANDSHAKING and self._sent:

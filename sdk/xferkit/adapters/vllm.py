@@ -12,7 +12,9 @@ the decode names its slots (``expect``), the prefill writes (``offer`` +
   vLLM's lease, enforced by the prefill's Session rather than a scheduler timer;
 - decode ``update_state_after_alloc`` records its own new blocks; its worker
   ``expect``s them from the addresses in the params, under the prefill's id (the
-  transfer's id on both sides; the decode's own id stays the engine's);
+  transfer's id on both sides; the decode's own id stays the engine's); with a
+  local prefix cache hit the new blocks are the prompt's after the cached ones,
+  and ``expect(skip=)`` drops the prefill's blocks that would fill the cached ones;
 - ``get_finished`` reports a request once its handle is terminal on this rank: a
   Send DONE or FAILED (its blocks are no longer read), a Receive DONE or FAILED
   (FAILED only once nothing can land: the blocks are safe to recompute into); a
@@ -99,11 +101,13 @@ class KVConnectorOutput:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Decode side: receive ``transfer_id`` from ``sources`` into ``blocks``."""
+    """Decode side: receive ``transfer_id`` from ``sources`` into ``blocks``, the prompt's
+    blocks after the first ``skip`` (those are cached here: a local prefix hit)."""
 
     transfer_id: str
     sources: tuple[str, ...]
     blocks: np.ndarray
+    skip: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,21 +207,27 @@ class XferkitConnector:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Decode side: the prompt not computed here arrives asynchronously (the request waits
-        until ``get_finished`` reports it received). A local prefix hit loads nothing: a
-        Send writes every block it offered, so the decode cannot take only the suffix."""
+        until ``get_finished`` reports it received). ``num_computed_tokens`` is a local prefix
+        cache hit (whole blocks): only the tokens after it load, the prefill's blocks for the
+        cached ones are skipped (``update_state_after_alloc``)."""
         self._as(Role.SCHEDULER, "get_num_new_matched_tokens")
         params = _params(request)
-        _count(num_computed_tokens, "num_computed_tokens")
+        computed = _count(num_computed_tokens, "num_computed_tokens")
         if not params.get("do_remote_prefill") or request.request_id in self._asked:
             return 0, False
-        if num_computed_tokens > 0:
+        rest = len(_prompt(request)) - computed
+        if rest <= 0:  # all of it computed here: nothing to load
             return 0, False
-        return len(_prompt(request)), True
+        self._whole_blocks(computed, request.request_id, "num_computed_tokens")
+        return rest, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: Blocks, num_external_tokens: int
     ) -> None:
-        """Decode side: the first ``remote_num_blocks`` new blocks are the load's slots."""
+        """Decode side: the new blocks are the load's slots, the prompt's after the
+        ``len(prompt) - num_external_tokens`` tokens computed here (a local prefix hit); the
+        prefill sends ``remote_num_blocks`` and the load skips those that fill cached blocks
+        (vLLM's NIXL reads only the remote blocks past the hit)."""
         self._as(Role.SCHEDULER, "update_state_after_alloc")
         params = _params(request)
         _count(num_external_tokens, "num_external_tokens")
@@ -238,14 +248,28 @@ class XferkitConnector:
             or not all(isinstance(a, str) for a in sources)
         ):
             raise ArgumentError(f"request {rid!r}: kv_transfer_params name no prefill: {params}")
-        if ids.size < need or math.ceil(num_external_tokens / self.config.block_size) > ids.size:
+        cached = len(_prompt(request)) - num_external_tokens
+        if cached < 0:
+            raise ArgumentError(
+                f"request {rid!r}: num_external_tokens {num_external_tokens} is past the prompt",
+                subject=rid,
+            )
+        skip = self._whole_blocks(cached, rid, "the locally computed prefix")
+        if skip > need:
             raise XferError(
-                f"request {rid!r}: {ids.size} blocks allocated, the prefill sends {need}",
+                f"request {rid!r}: {skip} blocks cached here, the prefill sends only {need}",
+                subject=rid,
+            )
+        want = need - skip
+        if ids.size < want or math.ceil(num_external_tokens / self.config.block_size) > ids.size:
+            raise XferError(
+                f"request {rid!r}: {ids.size} blocks allocated, the prefill sends {want} "
+                f"past the {skip} cached",
                 subject=rid,
             )
         self._asked.add(rid)
         self._loading.add(rid)
-        self._loads[rid] = Load(transfer, tuple(sources), ids[:need])
+        self._loads[rid] = Load(transfer, tuple(sources), ids[:want], skip)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         """Every step, even an empty one: what was decided since the last step."""
@@ -338,8 +362,9 @@ class XferkitConnector:
             raise XferError("start_load_kv(): no connector metadata bound this step")
         for rid, load in self._meta.loads.items():
             try:
+                skip = {POOL: load.skip} if load.skip else None
                 recv: Receive | None = session.expect(
-                    load.transfer_id, load.sources, {POOL: load.blocks}
+                    load.transfer_id, load.sources, {POOL: load.blocks}, skip=skip
                 )
             except XferError as exc:
                 log.warning("request %r: expect() refused: %s", rid, exc)
@@ -420,6 +445,17 @@ class XferkitConnector:
     def _as(self, role: Role, call: str) -> None:
         if self.role is not role:
             raise XferError(f"{call}() is a {role.name.lower()}-side call; this is the {self.role}")
+
+    def _whole_blocks(self, tokens: int, rid: str, what: str) -> int:
+        """``tokens`` in blocks; a prefix cache holds whole blocks, so anything else is wrong."""
+        blocks, rest = divmod(tokens, self.config.block_size)
+        if rest:
+            raise ArgumentError(
+                f"request {rid!r}: {what} ({tokens} tokens) is not whole blocks of "
+                f"{self.config.block_size}",
+                subject=rid,
+            )
+        return blocks
 
     def _session(self, call: str) -> Session:
         self._as(Role.WORKER, call)
