@@ -127,7 +127,7 @@ def main() -> int:
     for role, tp in (("prefill", src_tp), ("decode", dst_tp)):
         for r in range(tp):
             here, there = ctx.Pipe()
-            procs.append(ctx.Process(target=rank, args=(role, tp, r, there, keys)))
+            procs.append(ctx.Process(target=rank, args=(role, tp, r, there, keys), daemon=True))
             procs[-1].start()
             there.close()
             conns[role].append(here)

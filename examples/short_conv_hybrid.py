@@ -45,18 +45,23 @@ def manifest(conv: list[torch.Tensor], temporal: torch.Tensor) -> xk.Manifest:
 
 
 def decode(conn: Connection, keys: xk.SessionKeys) -> None:
-    """The decode process: expect the request, wait for it, check its slot."""
+    """The decode process: expect the request, wait for it, check every byte."""
     conv, temporal = state(prefill=False)
     want, _ = state(prefill=True)  # what the prefill holds: same seed
     session = xk.Session(xk.open_backend("loopback"), manifest(conv, temporal), keys=keys)
     try:
         recv = session.expect("req-0", source=conn.recv(), slots={"state": [DST_SLOT]})
         recv.wait(timeout=30)
+        bad = []
+        for i, (got, src) in enumerate(zip(conv, want, strict=True)):
+            expect = torch.zeros_like(got)  # the other slots stay as they were
+            expect[:, DST_SLOT] = src[:, SRC_SLOT]
+            if not torch.equal(got.view(torch.uint8), expect.view(torch.uint8)):
+                bad.append(i)
+        conn.send(bad)
+        conn.recv()  # close once the prefill is DONE too: closing first can fail it there
     finally:
         session.close()
-    conn.send(
-        [i for i in range(STREAMS) if not torch.equal(conv[i][:, DST_SLOT], want[i][:, SRC_SLOT])]
-    )
 
 
 def main() -> int:
@@ -67,7 +72,7 @@ def main() -> int:
     print(f"  why: {m.dropped[0].reason}; kept {len(m)} conv regions")
     keys = xk.SessionKeys.generate()  # one CurveZMQ pair shared by both ranks
     here, there = mp.Pipe()
-    child = mp.get_context("spawn").Process(target=decode, args=(there, keys))
+    child = mp.get_context("spawn").Process(target=decode, args=(there, keys), daemon=True)
     child.start()
     there.close()
     session = xk.Session(xk.open_backend("loopback"), m, keys=keys)
@@ -79,6 +84,7 @@ def main() -> int:
         moved = send.routes.direct_bytes + send.routes.staged_bytes
         print(f"prefill slot {SRC_SLOT} -> decode slot {DST_SLOT}: {moved} B")
         bad = here.recv()
+        here.send("close")
     finally:
         session.close()
     child.join(timeout=30)
