@@ -1,10 +1,11 @@
 """A GQA dense model's paged KV cache, prefill TP 8 -> decode TP 4, over a real driver.
 
-Twelve ranks in one process, each a Session over a backend of its own: the loopback, or
-Mooncake (tcp on 127.0.0.1) or NIXL. ``pools.kv_pages`` describes each rank's K and V
-pages with their layout: prefill holds NHD pages (``[pages, token, head, dim]``), decode
-HND (``[pages, head, token, dim]``), and the named axes let them pair. Each decode rank
-holds two of the eight KV heads, from two prefill ranks, and checks every byte. Run:
+Twelve ranks in one process (an engine runs one per rank process, as gdn_hybrid.py does),
+each a Session over a backend of its own: the loopback, Mooncake (tcp on 127.0.0.1) or
+NIXL. ``pools.kv_pages`` describes each rank's K and V pages with their layout: prefill
+holds NHD pages (``[pages, token, head, dim]``), decode HND (``[pages, head, token,
+dim]``), and the named axes let them pair. Each decode rank holds two of the eight KV
+heads, from two prefill ranks, and checks every byte. Run:
 
     python examples/gqa_dense.py --driver loopback|mooncake|nixl
 """
@@ -28,6 +29,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
     "nixl": {},
 }
+KEYS = xk.SessionKeys.generate()  # one CurveZMQ pair shared by every rank
 
 
 def model() -> list[torch.Tensor]:
@@ -45,9 +47,6 @@ def session(
     backend = xk.open_backend(driver, **OPTIONS[driver])
     # small staging (default 64 MiB): twelve ranks share this process
     return xk.Session(backend, manifest, keys=KEYS, staging_bytes=2**22, staging_slice_bytes=2**20)
-
-
-KEYS = xk.SessionKeys.generate()  # one CurveZMQ pair shared by every rank
 
 
 def main() -> int:
