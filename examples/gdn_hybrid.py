@@ -110,7 +110,7 @@ def rank(role: str, tp: int, r: int, conn: Connection, keys: xk.SessionKeys) -> 
             recv = session.expect("req-0", source=conn.recv(), slots=DST)
             recv.wait(timeout=30)
             conn.send(mismatches(mine, cache(tp, r)))
-        conn.recv()  # close once every rank is done: a peer that closes fails open requests
+        conn.recv()  # the parent says when to stop
     finally:
         session.close()
 

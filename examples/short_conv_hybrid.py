@@ -59,7 +59,7 @@ def decode(conn: Connection, keys: xk.SessionKeys) -> None:
             if not torch.equal(got.view(torch.uint8), expect.view(torch.uint8)):
                 bad.append(i)
         conn.send(bad)
-        conn.recv()  # close once the prefill is DONE too: closing first can fail it there
+        conn.recv()  # the prefill says when to stop
     finally:
         session.close()
 
