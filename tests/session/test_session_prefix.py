@@ -31,6 +31,39 @@ def _paged(spec: RegionSpec, src_pages: int, dst_pages: int) -> RegionSpec:
     )
 
 
+def _move(
+    pages: tuple[int, int],
+    chunks: list[list[int]],
+    suffix: tuple[list[int], list[int]],
+    staging: str,
+    skip: int = 0,
+) -> None:
+    """TP 2 -> 4 with ``pages`` (source, destination) model pages a KV slot: the decode ranks
+    expect ``suffix[1]`` (and a state slot), the prefill ranks write ``chunks`` (the state with
+    the last); every byte of every decode slot must then match the model with the suffix's
+    source slots ``suffix[0]`` moved, and nothing else."""
+    specs = [_paged(s, *pages) for s in gdn_hybrid(2)]
+    ref = Reference(specs, src_tp=2, dst_tp=4, src_slots=SLOTS, dst_slots=SLOTS, seed=7)
+    pres = [Session(xk.open_backend("loopback"), r.manifest, staging=staging) for r in ref.srcs]
+    decs = [Session(xk.open_backend("loopback"), d.manifest, staging=staging) for d in ref.dsts]
+    try:
+        request = {"kv": suffix[1], "state": [1]}
+        held = {"kv": skip} if skip else None
+        recvs = [d.expect("p", [p.address for p in pres], request, skip=held) for d in decs]
+        for p in pres:
+            send = p.offer("p")
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                send.write({"kv": chunk, **({"state": [3]} if last else {})}, last=last)
+        for h in recvs:
+            assert h.wait(20) is State.DONE, h.error
+        for i in range(len(decs)):
+            ref.check(i, {"kv": (suffix[0], suffix[1]), "state": ([3], [1])})
+    finally:
+        for s in (*pres, *decs):
+            s.close()
+
+
 @pytest.mark.parametrize(
     ("src_pages", "dst_pages", "suffix_src", "suffix_dst"),
     [
@@ -48,25 +81,9 @@ def test_only_the_suffix_moves_and_the_cached_prefix_keeps_its_bytes(
     request never names) is what the decode's cache holds: the reference model's check covers
     every byte of every decode slot, so a prefix slot written, or a suffix page shifted by the
     prefix, fails it."""
-    specs = [_paged(s, src_pages, dst_pages) for s in gdn_hybrid(2)]
-    ref = Reference(specs, src_tp=2, dst_tp=4, src_slots=SLOTS, dst_slots=SLOTS, seed=7)
-    pres = [Session(xk.open_backend("loopback"), r.manifest, staging=staging) for r in ref.srcs]
-    decs = [Session(xk.open_backend("loopback"), d.manifest, staging=staging) for d in ref.dsts]
-    try:
-        request = {"kv": suffix_dst, "state": [1]}
-        recvs = [d.expect("prefix", [p.address for p in pres], request) for d in decs]
-        first = 2 // src_pages  # two model pages: a whole page on either side
-        for p in pres:
-            send = p.offer("prefix")
-            send.write({"kv": suffix_src[:first]})
-            send.write({"kv": suffix_src[first:], "state": [3]}, last=True)
-        for h in recvs:
-            assert h.wait(20) is State.DONE, h.error
-        for i in range(len(decs)):
-            ref.check(i, {"kv": (suffix_src, suffix_dst), "state": ([3], [1])})
-    finally:
-        for s in (*pres, *decs):
-            s.close()
+    first = 2 // src_pages  # two model pages: a whole page on either side
+    chunks = [suffix_src[:first], suffix_src[first:]]
+    _move((src_pages, dst_pages), chunks, (suffix_src, suffix_dst), staging)
 
 
 # -- skip: the decode says what it holds, the prefill writes every page ---------------------
@@ -94,30 +111,10 @@ def test_a_prefill_writing_every_page_sends_only_what_the_decode_does_not_hold(
     ones (chunks straddling the boundary included), and every decode byte is checked: the
     held slots keep their bytes, the rest hold the prompt's pages after the prefix. Without
     the skip, the suffix would be the prompt's first pages."""
-    specs = [_paged(s, src_pages, dst_pages) for s in gdn_hybrid(2)]
-    ref = Reference(specs, src_tp=2, dst_tp=4, src_slots=SLOTS, dst_slots=SLOTS, seed=11)
-    pres = [Session(xk.open_backend("loopback"), r.manifest, staging=staging) for r in ref.srcs]
-    decs = [Session(xk.open_backend("loopback"), d.manifest, staging=staging) for d in ref.dsts]
     every = [s for c in chunks for s in c]
     suffix_src = every[held * dst_pages // src_pages :]
     suffix_dst = [2, 5, 6, 13, 14, 15, 0, 1][: -(-len(suffix_src) * src_pages // dst_pages)]
-    try:
-        request = {"kv": suffix_dst, "state": [1]}
-        recvs = [
-            d.expect("skip", [p.address for p in pres], request, skip={"kv": held}) for d in decs
-        ]
-        for p in pres:
-            send = p.offer("skip")
-            for i, chunk in enumerate(chunks):
-                last = i == len(chunks) - 1
-                send.write({"kv": chunk, **({"state": [3]} if last else {})}, last=last)
-        for h in recvs:
-            assert h.wait(20) is State.DONE, h.error
-        for i in range(len(decs)):
-            ref.check(i, {"kv": (suffix_src, suffix_dst), "state": ([3], [1])})
-    finally:
-        for s in (*pres, *decs):
-            s.close()
+    _move((src_pages, dst_pages), chunks, (suffix_src, suffix_dst), staging, skip=held)
 
 
 def test_a_skip_ending_inside_a_source_slot_fails_both_sides_naming_the_pool() -> None:
