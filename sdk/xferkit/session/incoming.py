@@ -44,6 +44,7 @@ class Incoming:
         self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
         self.fences: dict[str, list[str]] = {}  # driver -> the addresses its fences are for
         self.unpacker = Unpacker(s)
+        self.unresolved: list[Recv] = []  # failed before a roster named its sources (sources.py)
 
     now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
 
@@ -196,6 +197,8 @@ class Incoming:
         claim = wire.Request(
             rid=rec.rid, gen=rec.gen, needed=False, slots={}, stage=stage, failed=text
         )
+        if not rec.sources:  # its group's roster is on its way: told once it comes
+            self.unresolved.append(rec)
         drain = 0.0
         for address in rec.sources:
             up = self.pairs.ups.get(address)

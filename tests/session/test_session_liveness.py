@@ -1,0 +1,68 @@
+"""A failure one side knows of reaches the other at once, over real sockets.
+
+Sessions in one process over the loopback (and, for a prefill closing mid-handshake, a
+raw ROUTER posing as that prefill: a real Session's connect is too quick to close inside
+it on purpose). Both defects left a request waiting out a long timeout: the timeouts here
+are 30 s, and each failure must be seen in under ``QUICK``. Nothing lands in either case:
+the tests check that nothing was written as well.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import xferkit as xk
+from xferkit.session import Receive, RequestError, Send, Session, State
+from xferkit.testing import Reference, gdn_hybrid
+
+SLOTS = {"kv": 8, "state": 4}
+LONG = {
+    "heartbeat_s": 0.2,
+    "dead_after_s": 2.0,
+    "handshake_timeout_s": 30.0,
+    "request_timeout_s": 30.0,
+}
+QUICK = 5.0
+"""Under a sixth of every timeout: a failure seen within it did not wait one out."""
+
+
+def _failed(handle: Send | Receive, since: float) -> RequestError:
+    """``handle``'s root cause, once FAILED within QUICK of ``since``."""
+    with pytest.raises(RequestError) as info:
+        handle.wait(QUICK)
+    assert time.monotonic() - since < QUICK
+    assert handle.poll() is State.FAILED
+    return info.value
+
+
+def test_an_abort_during_the_group_lookup_fails_every_prefill_ranks_offer_at_once() -> None:
+    """The decode rank names a TP 2 prefill group whose second rank has not joined yet, so
+    the roster lookup goes on; the engine aborts the request meanwhile. Once the rank joins,
+    both prefill ranks' offers fail with the abort's text (before: each waited out
+    request_timeout_s, 30 s, for a Request that never came)."""
+    ref = Reference(gdn_hybrid(), src_tp=2, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    first = Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **LONG)
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest, **LONG)
+    sessions = [first, dec]
+    try:
+        sends = [first.offer("r")]
+        recv = dec.expect("r", first.group_address, {"kv": [1, 2], "state": [0]})
+        time.sleep(0.3)  # the roster says 1 of 2 ranks joined: the decode rank asks again
+        assert recv.poll() is State.HANDSHAKING
+        recv.abort(timeout=QUICK)  # FAILED at once: nothing was asked, nothing can land
+        assert recv.error is not None and recv.error.stage == "abort"
+        joined = time.monotonic()
+        second = Session(
+            xk.open_backend("loopback"), ref.srcs[1].manifest, group=first.address, **LONG
+        )
+        sessions.append(second)
+        sends.append(second.offer("r"))
+        for send in sends:
+            error = _failed(send, joined)
+            assert error.stage == "abort" and str(error) == str(recv.error)
+        ref.check(0, {})  # nothing was written
+    finally:
+        for s in sessions:
+            s.close()
