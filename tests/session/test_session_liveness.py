@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from attacker import hostile
 
 import xferkit as xk
-from xferkit.session import Receive, RequestError, Send, Session, State
+from xferkit.session import Receive, RequestError, Send, Session, State, wire
 from xferkit.testing import Reference, gdn_hybrid
 
 SLOTS = {"kv": 8, "state": 4}
@@ -66,3 +67,32 @@ def test_an_abort_during_the_group_lookup_fails_every_prefill_ranks_offer_at_onc
     finally:
         for s in sessions:
             s.close()
+
+
+def test_a_prefill_saying_bye_in_place_of_its_welcome_fails_the_request_at_once() -> None:
+    """Two sources: a real prefill Session and a raw ROUTER posing as the other prefill rank,
+    which closes while the decode rank's handshake with it is pending: its Bye comes instead
+    of a Welcome. The request fails at once (before: after handshake_timeout_s, 30 s, "no
+    handshake reply"), naming that rank, and the real prefill's offer with the same text."""
+    ref = Reference(gdn_hybrid(), src_tp=2, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    pre = Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **LONG)
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest, **LONG)
+    try:
+        with hostile("src") as a:
+            fake = a.listen()
+            send = pre.offer("r")
+            recv = dec.expect("r", [pre.address, fake.address], {"kv": [1, 2], "state": [0]})
+            got = fake.next(wire.Hello)
+            assert got is not None
+            said = time.monotonic()
+            fake.send(got[0], wire.Bye(incarnation=a.incarnation, reason="closed by the engine"))
+            error = _failed(recv, said)
+            assert error.stage == "peer lost" and error.peer == fake.address
+            assert f"{fake.address} closed its session during the handshake" in str(error)
+            assert "closed by the engine" in str(error)
+            told = _failed(send, said)
+            assert str(told) == str(error)
+        ref.check(0, {})
+    finally:
+        pre.close()
+        dec.close()

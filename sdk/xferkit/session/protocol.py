@@ -219,6 +219,10 @@ class Protocol:
             self.incoming.pair_failed(up, stage, text, bool(msg.error), now)
             # The claims just queued must still leave: closed at once, ZMQ drops them.
             self.pairs.drop_up(up, now, text, linger_ms=LINGER_MS)
+        elif isinstance(msg, wire.Bye):  # before its Welcome too: it closed while connecting
+            during = "" if up.ready else " during the handshake"
+            why = f"{up.where() if up.ready else up.address} closed its session{during}"
+            self._lose_up(up, f"{why}: {msg.reason}", "peer lost", now, gone=True)
         elif up.welcome is None:
             log.warning(
                 "%s: %s from %s before its Welcome: dropped",
@@ -233,10 +237,6 @@ class Protocol:
             self.incoming.on_message(up, msg, now)
         elif isinstance(msg, wire.Written):
             self.incoming.completed(up, wire.tag_of(msg), now)
-        elif isinstance(msg, wire.Bye):
-            self._lose_up(
-                up, f"{up.where()} closed its session: {msg.reason}", "peer lost", now, gone=True
-            )
         else:
             log.warning(
                 "%s: unexpected %s from %s: dropped", self.s.address, type(msg).__name__, up.address
