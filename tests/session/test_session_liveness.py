@@ -19,14 +19,22 @@ from xferkit.session import Receive, RequestError, Send, Session, State, wire
 from xferkit.testing import Reference, gdn_hybrid
 
 SLOTS = {"kv": 8, "state": 4}
-LONG = {
-    "heartbeat_s": 0.2,
-    "dead_after_s": 2.0,
-    "handshake_timeout_s": 30.0,
-    "request_timeout_s": 30.0,
-}
+TIMEOUT_S = 30.0
+"""``handshake_timeout_s`` and ``request_timeout_s`` of every Session here."""
 QUICK = 5.0
 """Under a sixth of every timeout: a failure seen within it did not wait one out."""
+
+
+def _session(manifest: xk.Manifest, group: str | None = None) -> Session:
+    return Session(
+        xk.open_backend("loopback"),
+        manifest,
+        group=group,
+        heartbeat_s=0.2,
+        dead_after_s=2.0,
+        handshake_timeout_s=TIMEOUT_S,
+        request_timeout_s=TIMEOUT_S,
+    )
 
 
 def _failed(handle: Send | Receive, since: float) -> RequestError:
@@ -44,8 +52,8 @@ def test_an_abort_during_the_group_lookup_fails_every_prefill_ranks_offer_at_onc
     both prefill ranks' offers fail with the abort's text (before: each waited out
     request_timeout_s, 30 s, for a Request that never came)."""
     ref = Reference(gdn_hybrid(), src_tp=2, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
-    first = Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **LONG)
-    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest, **LONG)
+    first = _session(ref.srcs[0].manifest)
+    dec = _session(ref.dsts[0].manifest)
     sessions = [first, dec]
     try:
         sends = [first.offer("r")]
@@ -55,9 +63,7 @@ def test_an_abort_during_the_group_lookup_fails_every_prefill_ranks_offer_at_onc
         recv.abort(timeout=QUICK)  # FAILED at once: nothing was asked, nothing can land
         assert recv.error is not None and recv.error.stage == "abort"
         joined = time.monotonic()
-        second = Session(
-            xk.open_backend("loopback"), ref.srcs[1].manifest, group=first.address, **LONG
-        )
+        second = _session(ref.srcs[1].manifest, group=first.address)
         sessions.append(second)
         sends.append(second.offer("r"))
         for send in sends:
@@ -75,8 +81,8 @@ def test_a_prefill_saying_bye_in_place_of_its_welcome_fails_the_request_at_once(
     of a Welcome. The request fails at once (before: after handshake_timeout_s, 30 s, "no
     handshake reply"), naming that rank, and the real prefill's offer with the same text."""
     ref = Reference(gdn_hybrid(), src_tp=2, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
-    pre = Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **LONG)
-    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest, **LONG)
+    pre = _session(ref.srcs[0].manifest)
+    dec = _session(ref.dsts[0].manifest)
     try:
         with hostile("src") as a:
             fake = a.listen()
