@@ -27,6 +27,8 @@ from xferkit.session.states import RequestError, State
 from xferkit.testing import Reference, gdn_hybrid
 
 SLOTS = {"kv": 64, "state": 16}
+LOOKUP = b"D-lookup"
+"""The ROUTER identity of D's roster lookups (``group+P``): a DEALER of its own."""
 
 
 def endpoint(address: str, generation: int = 1) -> bytes:
@@ -96,6 +98,7 @@ class Net:
         self.to_pre: deque[tuple[bytes, wire.Message]] = deque()  # (ident, msg)
         self.to_dec: deque[tuple[str, wire.Message]] = deque()  # (prefill address, msg)
         self.to_others: list[tuple[bytes, wire.Message]] = []  # what P sent other identities
+        self.to_lookup: deque[wire.Message] = deque()  # P's answers to D's roster lookups
         self.writes: dict[int, Write] = {}  # posted, not ended
         self.ended: list[Write] = []
         self.connects: list[act.Connect] = []
@@ -114,11 +117,15 @@ class Net:
                 self.dec_conn = a.conn
             elif isinstance(a, act.Send):
                 if side == "dec":
-                    assert a.conn[0] == "up"
-                    if a.conn[1] == "P":
+                    assert a.conn[0] in ("up", "group")
+                    if a.conn == ("group", "P"):  # D's lookup DEALER: another identity
+                        self.to_pre.append((LOOKUP, a.msg))
+                    elif a.conn[1] == "P":
                         self.to_pre.append((b"D", a.msg))
                 elif a.conn == ("down", b"D"):
                     self.to_dec.append(("P", a.msg))
+                elif a.conn == ("down", LOOKUP):
+                    self.to_lookup.append(a.msg)
                 else:
                     self.to_others.append((a.conn[1], a.msg))
             elif isinstance(a, act.Connect):
@@ -154,12 +161,15 @@ class Net:
 
     # -- engine commands -----------------------------------------------------------------
 
-    def expect(self, rid: str, slots: dict[str, list[int]]) -> Handle:
+    def expect(
+        self, rid: str, slots: dict[str, list[int]], sources: tuple[str, ...] = ("P",)
+    ) -> Handle:
+        """``sources``: P, or ``group+P`` (P serves its group's roster: itself, TP 1)."""
         import numpy as np
 
         h = self.handles["dec", rid] = Handle(rid, [State.HANDSHAKING])
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in slots.items()}
-        self.apply("dec", self.dec.expect(h, rid, ("P",), arrays, 1, {}, self.now))
+        self.apply("dec", self.dec.expect(h, rid, sources, arrays, 1, {}, self.now))
         return h
 
     def offer(self, rid: str) -> Handle:
@@ -188,6 +198,9 @@ class Net:
             elif self.to_dec:
                 _, msg = self.to_dec.popleft()
                 self.apply("dec", self.dec.receive(self.dec_conn, msg, self.now))
+            elif self.to_lookup:
+                msg = self.to_lookup.popleft()
+                self.apply("dec", self.dec.receive(("group", "P"), msg, self.now))
             else:
                 return
 

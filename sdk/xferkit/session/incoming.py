@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
 from ..errors import PlanError
 from ..planner import Coverage, coverage
 from ..staging import FORCE, stage
@@ -30,40 +28,9 @@ from . import actions as act
 from . import wire
 from .core import Out, Settings, log, stage_text
 from .pairs import Pairs, Up
-from .states import RequestError, Routes, State
-from .timeline import Timeline
+from .recvs import Recv
+from .states import RequestError, State
 from .unpacking import Source, Unpacker
-
-
-class Recv:
-    """A decode request as the core tracks it."""
-
-    def __init__(
-        self, handle: object, rid: str, gen: int, spec: tuple[str, ...], slots: dict,
-        registration: int, deadline: float,
-    ) -> None:  # fmt: skip
-        self.handle = handle
-        self.rid = rid
-        self.gen = gen
-        self.spec = spec  # as given to expect: session or group addresses
-        self.sources: tuple[str, ...] = ()  # every source rank's session address, once resolved
-        self.slots: dict[str, np.ndarray] = slots
-        self.skip: dict[str, int] = {}  # destination slots of a pool held already (a prefix)
-        self.registration = registration
-        self.deadline = deadline
-        self.needed: dict[str, Source] = {}
-        self.requested: set[str] = set()
-        self.started = False
-        self.error: RequestError | None = None
-        self.acks: set[str] = set()
-        self.drain_until = 0.0
-        self.waiting_since = 0.0  # when it began to wait for staging
-        self.staging_wait_s = 0.0
-        self.timeline = Timeline()
-
-    @property
-    def routes(self) -> Routes:
-        return Routes(staging_wait_s=self.staging_wait_s, peers=self.sources)
 
 
 class Incoming:
@@ -77,6 +44,7 @@ class Incoming:
         self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
         self.fences: dict[str, list[str]] = {}  # driver -> the addresses its fences are for
         self.unpacker = Unpacker(s)
+        self.unresolved: list[Recv] = []  # failed before a roster named its sources (sources.py)
 
     now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
 
@@ -229,6 +197,8 @@ class Incoming:
         claim = wire.Request(
             rid=rec.rid, gen=rec.gen, needed=False, slots={}, stage=stage, failed=text
         )
+        if not rec.sources:  # its group's roster is on its way: told once it comes
+            self.unresolved.append(rec)
         drain = 0.0
         for address in rec.sources:
             up = self.pairs.ups.get(address)

@@ -8,7 +8,7 @@ event, a timer) and the time, and returns the actions it calls for
 two or more Protocols by hand.
 
 It routes each event to the part that owns it (``Pairs``, ``Incoming``,
-``Outgoing``, ``Roster``) and does what crosses them: a pair lost fails the
+``Outgoing``, ``Roster``, ``Sources``) and does what crosses them: a pair lost fails the
 requests that need it. A message acts only on what belongs to the connection
 it came on; anything else is dropped with a log line.
 """
@@ -21,10 +21,11 @@ from ..errors import ProtocolError
 from . import actions as act
 from . import wire
 from .core import Out, Settings, log
-from .incoming import Incoming, Recv
+from .incoming import Incoming
 from .outgoing import Outgoing
 from .pairs import Down, Pairs, Up
-from .roster import GROUP, Roster
+from .roster import Roster
+from .sources import Sources
 
 LINGER_MS = 500
 """How long a connection closed right after its last messages were queued keeps sending them."""
@@ -40,6 +41,7 @@ class Protocol:
         self.incoming = Incoming(settings, self.out, self.pairs)
         self.outgoing = Outgoing(settings, self.out)
         self.roster = Roster(settings, self.out, group)
+        self.sources = Sources(settings, self.out, self.pairs, self.incoming, self.roster)
         self.last: float | None = None
         self.tick_s = min(settings.heartbeat_s / 4, 0.05)
         self._tick_at = 0.0  # the first timer runs at once
@@ -71,7 +73,7 @@ class Protocol:
         self._enter(now)
         rec = self.incoming.expect(handle, rid, spec, slots, registration, now)
         rec.skip = skip
-        self._resolve(rec, now)
+        self.sources.resolve(rec, now)
         return self.out.take()
 
     def offer(self, handle: object, rid: str, now: float) -> list[act.Action]:
@@ -99,24 +101,7 @@ class Protocol:
         """Ask the sources to keep holding ``rid`` for another lease (sent after the handshake
         when the pair is new; dropped with a log line when it cannot be)."""
         self._enter(now)
-        got = self.roster.expand(spec, now)
-        if got is None:
-            for address in spec:
-                group = self.roster.groups.get(address)
-                if group is not None and group.roster is None:
-                    group.renewals.add(rid)
-        elif isinstance(got, str):
-            log.warning("%s: renewing %r: %s", self.s.address, rid, got)
-        else:
-            msg = wire.Renew(rids=[rid])
-            for address in got:
-                up = self.pairs.open_up(address, now)
-                if up is None:
-                    log.warning("%s: renewing %r: %s backs off", self.s.address, rid, address)
-                elif up.ready:
-                    self.out.send(up.conn, msg)
-                else:
-                    up.queued.append(msg)
+        self.sources.renew(rid, spec, now)
         return self.out.take()
 
     def close(self, why: str, now: float) -> list[act.Action]:
@@ -169,13 +154,7 @@ class Protocol:
                 up.last_seen = now
                 self._from_up(up, msg, now)
         elif kind == "group":
-            group = self.roster.on_roster(conn, msg, now)
-            if group is not None:
-                for rec in [r for r in self.incoming.recvs.values() if group.address in r.spec]:
-                    self._resolve(rec, now)
-                rids, group.renewals = group.renewals, set()
-                for rid in rids:
-                    self.out.actions += self.renew(rid, (group.address,), now)
+            self.sources.on_roster(conn, msg, now)
         elif kind == "member":
             self.roster.on_joined(msg)
         return self.out.take()
@@ -240,6 +219,10 @@ class Protocol:
             self.incoming.pair_failed(up, stage, text, bool(msg.error), now)
             # The claims just queued must still leave: closed at once, ZMQ drops them.
             self.pairs.drop_up(up, now, text, linger_ms=LINGER_MS)
+        elif isinstance(msg, wire.Bye):  # before its Welcome too: it closed while connecting
+            during = "" if up.ready else " during the handshake"
+            why = f"{up.where() if up.ready else up.address} closed its session{during}"
+            self._lose_up(up, f"{why}: {msg.reason}", "peer lost", now, gone=True)
         elif up.welcome is None:
             log.warning(
                 "%s: %s from %s before its Welcome: dropped",
@@ -254,10 +237,6 @@ class Protocol:
             self.incoming.on_message(up, msg, now)
         elif isinstance(msg, wire.Written):
             self.incoming.completed(up, wire.tag_of(msg), now)
-        elif isinstance(msg, wire.Bye):
-            self._lose_up(
-                up, f"{up.where()} closed its session: {msg.reason}", "peer lost", now, gone=True
-            )
         else:
             log.warning(
                 "%s: unexpected %s from %s: dropped", self.s.address, type(msg).__name__, up.address
@@ -329,7 +308,7 @@ class Protocol:
             self._lose_up(up, why, "handshake", now, gone=True)
         elif conn[0] == "group" and (group := self.roster.refused_group(conn)) is not None:
             self.roster.drop(group)
-            self._fail_group(group.address, why, now)
+            self.sources.fail_group(group.address, why, now)
         else:
             log.error("%s: %s", self.s.address, why)
         return self.out.take()
@@ -343,12 +322,11 @@ class Protocol:
         for down, why in lost_downs:
             self._lose_down(down, why)
         for group, why in self.roster.tick(now):
-            self._fail_group(group.address, why, now)
+            self.sources.fail_group(group.address, why, now)
         self.incoming.tick(now)
         for up in [u for u in self.pairs.conns.values() if u.lost]:
             self._reap(up)
-        for rec in [r for r in self.incoming.recvs.values() if not r.started and r.error is None]:
-            self._resolve(rec, now)  # a pair that was backing off may be tried now
+        self.sources.tick(now)
         self.outgoing.tick(now)
         return self.out.take()
 
@@ -365,16 +343,6 @@ class Protocol:
             self.incoming.next_deadline(),
             self.outgoing.next_deadline(),
         )
-
-    def _resolve(self, rec: Recv, now: float) -> None:
-        got = None if rec.sources else self.roster.expand(rec.spec, now)
-        self.incoming.open_sources(rec, got, now)
-
-    def _fail_group(self, address: str, why: str, now: float) -> None:
-        server = address[len(GROUP) :]
-        for rec in list(self.incoming.recvs.values()):
-            if address in rec.spec and not rec.sources and rec.error is None:
-                self.incoming.fail(rec, "handshake", why, server, now)
 
     def _lose_up(self, up: Up, why: str, stage: str, now: float, gone: bool = False) -> None:
         """A prefill rank is gone (dead, restarted, closed, unreachable, silent): tell it (it may
