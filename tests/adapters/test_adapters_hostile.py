@@ -30,7 +30,6 @@ from xferkit.adapters.vllm import (
     XferkitConnector,
     valid_tokens,
 )
-from xferkit.session import State
 
 BS, BLOCKS, HEADS, DIM = 4, 8, 2, 8
 NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -52,7 +51,7 @@ def test_an_empty_block_list_of_any_dtype_is_taken_or_refused_as_an_xfer_error(
     assert valid_tokens(empty, empty, BS, 12) == 12  # nothing failed: every token kept
     sched = XferkitConnector(Role.SCHEDULER, ConnectorConfig(block_size=BS))
     req = Request("r", [1, 2, 3], {"do_remote_decode": True}, 3, "finished_stopped")
-    assert sched.request_finished(req, empty) == (False, None)  # nothing to hand over
+    assert sched.request_finished(req, empty) == (False, None)  # type: ignore[arg-type]  # nothing to hand over
     with pytest.raises(xk.ArgumentError, match="block ids"):
         valid_tokens(np.array(["1"], dtype=dtype if dtype in ("U1", "S1") else "U1"), [], BS, 1)
 
@@ -295,4 +294,3 @@ def test_thousands_of_sglang_requests_keep_resident_memory_bounded() -> None:
         gc.collect()
         grown = _rss() - before
     assert grown < 24 << 20, f"resident memory grew {grown / 2**20:.1f} MiB over 2000 requests"
-

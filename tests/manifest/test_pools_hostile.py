@@ -87,11 +87,12 @@ def test_a_region_key_past_64_bits_is_refused_where_it_is_made(field: str, value
     a misleading cause. Fixed: a Region's layer and part are 64-bit ints, checked when the
     Region is made, naming the field."""
     with pytest.raises(xk.ManifestError, match=f"{field} must be a 64-bit int"):
-        xk.Region.from_array(_kv(), pool="kv", name="k", **{"layer": 0, field: value})
+        xk.Region.from_array(_kv(), pool="kv", name="k", **{"layer": 0, field: value})  # type: ignore[arg-type]
     if field == "layer":  # a negative id is the builder's own refusal
         with pytest.raises(xk.XferError, match="layer"):
             pools.kv_pages("kv", k=[_kv()], v=[_kv()], layout="NHD", layers=[value])
-    ok = xk.Region.from_array(_kv(), pool="kv", name="k", **{"layer": 0, field: 2**63 - 1})
+    keys: dict[str, Any] = {"layer": 0, field: 2**63 - 1}
+    ok = xk.Region.from_array(_kv(), pool="kv", name="k", **keys)
     manifest = xk.Manifest.build([ok])
     assert xk.Manifest.decode(manifest.encode()) == manifest
 
@@ -146,7 +147,7 @@ def test_a_registered_tensors_memory_stays_mapped_whatever_the_engine_does_to_it
     region = pools.aux_rows("aux", fields={"x": t})[0]
     assert _mapped(region.addr, region.addr + region.nbytes)
     if swap == "set_":
-        t.set_()
+        t.set_()  # type: ignore[call-overload]  # no source: an empty storage
     elif swap == "data":
         t.data = torch.zeros(0)
     del t
@@ -172,7 +173,7 @@ def test_a_lazy_conj_or_neg_view_is_refused_since_its_bytes_are_not_its_values(
     ``t``'s address, so it registered as that memory, but its values are the conjugates of
     the bytes: a transfer moves the bytes, and the peer's tensor shows other values than
     this one did. Fixed: refused, saying to register the tensor it is a view of."""
-    with pytest.raises(xk.ManifestError, match="lazy .* view"):
+    with pytest.raises(xk.ManifestError, match=r"lazy .* view"):
         xk.Region.from_array(view(), pool="p", name="x", layer=0)
     with pytest.raises(xk.ManifestError, match="lazy"):
         pools.aux_rows("aux", fields={"x": view()})
