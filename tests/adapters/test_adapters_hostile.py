@@ -30,6 +30,7 @@ from xferkit.adapters.vllm import (
     XferkitConnector,
     valid_tokens,
 )
+from xferkit.session import State
 
 BS, BLOCKS, HEADS, DIM = 4, 8, 2, 8
 NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -164,6 +165,30 @@ def test_an_offer_whose_write_is_refused_holds_nothing_for_the_decode() -> None:
             assert time.monotonic() < limit, "the refused offer was never reported"
             time.sleep(0.01)
         assert not dec.blocks([0, 1]).any()
+
+
+def test_a_request_finished_twice_cannot_free_blocks_its_first_send_still_reads() -> None:
+    """Defect: a prefill request the scheduler finished twice (a careless engine's double
+    free) was offered twice: the second ``offer`` was refused (the id was used), and its
+    ``None`` replaced the first, live Send in the worker's table, so the id read as sent at
+    once and vLLM freed the blocks the first Send would still read when the decode claimed
+    it (the decode would get whatever the blocks held by then, DONE). Fixed: a second offer
+    of an id whose Send is live is ignored (logged); the id is reported sent only once that
+    Send is terminal."""
+    with prefill_and_decode() as (pre, dec):
+        assert pre.session is not None and dec.worker_session is not None
+        for _ in range(2):  # two steps, each with the same finished request's offer
+            pre.bind_connector_metadata(ConnectorMetadata({}, {"r": np.array([0, 1])}))
+            pre.start_load_kv(None)
+            assert pre.get_finished({"r"}) == (set(), set()), "reported sent while held"
+            pre.clear_connector_metadata()
+        recv = dec.worker_session.expect("r", [pre.session.address], {"kv": [2, 3]})
+        assert recv.wait(10) is State.DONE
+        assert (dec.blocks([2, 3]) == 1.0).all()
+        limit = time.monotonic() + 5
+        while pre.get_finished(set()) != ({"r"}, set()):
+            assert time.monotonic() < limit, "the Send's end was never reported"
+            time.sleep(0.01)
 
 
 def test_worker_calls_out_of_order_raise_xfer_errors() -> None:

@@ -365,6 +365,9 @@ class XferkitConnector:
                 recv.abort(timeout=0)
             self._sends[rid] = recv  # reported with the sends: vLLM frees delayed blocks so
         for rid, blocks in self._meta.offers.items():
+            if self._sends.get(rid) is not None:  # finished twice: its live Send reads on
+                log.warning("request %r: offered again while its Send is live: ignored", rid)
+                continue
             send: Send | None = None
             try:
                 send = session.offer(rid)
