@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import xferkit as xk
 from xferkit.adapters.sglang import KVManager, KVPoll, KVReceiver, KVSender, poll_and_all_reduce
@@ -319,3 +321,50 @@ def test_thousands_of_sglang_requests_keep_resident_memory_bounded() -> None:
         gc.collect()
         grown = _rss() - before
     assert grown < 24 << 20, f"resident memory grew {grown / 2**20:.1f} MiB over 2000 requests"
+
+
+json_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=True),
+        st.text(max_size=6),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+PARAM_KEYS = ["do_remote_prefill", "remote_request_id", "remote_addresses", "remote_num_blocks"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    key=st.sampled_from(PARAM_KEYS),
+    value=json_values,
+    blocks=st.one_of(st.lists(st.integers(-2, 2**70), max_size=3), json_values),
+)
+def test_kv_transfer_params_as_a_proxy_relays_them_any_json_give_a_load_or_an_xfer_error(
+    key: str, value: Any, blocks: Any
+) -> None:
+    """``kv_transfer_params`` arrive as JSON through a proxy: any JSON value for any key, and
+    any block list, is a load, nothing, or an XferError; never numpy's or Python's errors."""
+    sched = XferkitConnector(Role.SCHEDULER, ConnectorConfig(block_size=BS))
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "remote_request_id": "t",
+        "remote_addresses": ["tcp://127.0.0.1:1"],
+        "remote_num_blocks": 1,
+        key: value,
+    }
+    req = Request("r", list(range(BS)), kv_transfer_params=params)
+    with contextlib.suppress(xk.XferError):
+        count, _ = sched.get_num_new_matched_tokens(req, 0)
+        ids = blocks if isinstance(blocks, list) else []  # vLLM's blocks: a list of ids
+        sched.update_state_after_alloc(req, Blocks(ids), count or 0)
+    with contextlib.suppress(xk.XferError):
+        sched.request_finished(req, blocks)
+    meta = sched.build_connector_meta(SchedulerOutput())
+    for load in meta.loads.values():  # what a worker would expect: well-formed
+        assert isinstance(load.transfer_id, str) and load.blocks.dtype == np.int64
