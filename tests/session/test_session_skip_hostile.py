@@ -153,3 +153,22 @@ def test_a_decode_stage_holding_the_pool_skips_and_the_other_stage_is_served_who
     finally:
         for s in (pre, *stages):
             s.close()
+
+
+def test_a_decode_holding_the_whole_prompt_ends_done_with_nothing_written() -> None:
+    """``skip`` covering every page the prefill writes, with no destination slot named: both
+    sides end DONE and the decode's memory is untouched (the state still moves)."""
+    ref = reference(1, 1, seed=5)
+    pre = Session(xk.open_backend("loopback"), ref.srcs[0].manifest, **FAST)
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest, **FAST)
+    try:
+        recv = dec.expect("all", pre.address, {"kv": [], "state": [1]}, skip={"kv": 3})
+        send = pre.offer("all")
+        send.write({"kv": [0, 1]})
+        send.write({"kv": [2], "state": [2]}, last=True)
+        for h in (recv, send):
+            assert h.wait(10) is State.DONE, h.error
+        ref.check(0, {"state": ([2], [1])})
+    finally:
+        pre.close()
+        dec.close()
