@@ -63,6 +63,14 @@ def describe(
 
 def _interface(array: Any, key: tuple[Any, ...], label: str, device: str | None) -> Description:
     if hasattr(array, "data_ptr") and hasattr(array, "element_size"):  # torch.Tensor
+        lazy = [f for f in ("is_conj", "is_neg") if getattr(array, f, lambda: False)()]
+        if lazy:
+            raise ManifestError(
+                f"region {label}: the tensor is a lazy {lazy[0][3:]} view ({lazy[0]}() is "
+                "True): its memory holds other values than it shows, so the bytes a peer "
+                "reads or writes would not be its values; register the tensor it is a view of",
+                subject=key,
+            )
         return (
             int(array.data_ptr()),
             tuple(int(n) for n in array.shape),

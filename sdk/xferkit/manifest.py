@@ -8,6 +8,7 @@ computed from the same table: they cannot drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import re
@@ -179,6 +180,10 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             axes=_str_tuple(axes, subject) if axes is not None else None,
         )
         region.__dict__["_owner"] = array  # not encoded: it only keeps the memory alive
+        storage = getattr(array, "untyped_storage", None)  # a torch tensor's memory itself:
+        if callable(storage):  # kept too, so set_() or .data= on the tensor cannot free it
+            with contextlib.suppress(Exception):  # (the tensor itself is held all the same)
+                region.__dict__["_storage"] = storage()
         return region
 
 
@@ -204,6 +209,8 @@ def _str_tuple(value: Any, key: RegionKey) -> tuple[str, ...]:
 _STR_FIELDS = ("pool", "name", "device")
 _INT_FIELDS = ("layer", "part", "addr", "nbytes", "itemsize")
 _OPTIONAL_INT_FIELDS = ("tp_axis", "tp_global")
+_NAME_INTS = ("layer", "part")
+"""Int fields of the region's key, which only the range check of msgpack would bound."""
 
 
 def _as_int(value: Any) -> int | None:
@@ -232,6 +239,8 @@ def _check_types(r: Region) -> None:
         value = _as_int(getattr(r, field))
         if value is None:
             raise bad(field, "an int")
+        if field in _NAME_INTS and not -(2**63) <= value < 2**63:  # else no peer can decode it
+            raise bad(field, "a 64-bit int")
         msgspec.structs.force_setattr(r, field, value)
     for field in _OPTIONAL_INT_FIELDS:
         raw = getattr(r, field)

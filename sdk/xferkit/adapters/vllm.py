@@ -178,6 +178,7 @@ class XferkitConnector:
         self._asked: set[str] = set()  # update_state_after_alloc may come twice
         self._loading: set[str] = set()  # loads not yet reported received
         self._aborts: set[str] = set()
+        self._aborting: set[str] = set()  # loads aborted, not yet reported by every worker
         # worker side
         self.session: Session | None = None
         self._layers: frozenset[str] = frozenset()
@@ -213,6 +214,8 @@ class XferkitConnector:
         self._as(Role.SCHEDULER, "get_num_new_matched_tokens")
         params = _params(request)
         computed = _count(num_computed_tokens, "num_computed_tokens")
+        if params.get("do_remote_prefill") and request.request_id in self._aborting:
+            return None, False  # its id's earlier load is still being aborted: ask again later
         if not params.get("do_remote_prefill") or request.request_id in self._asked:
             return 0, False
         rest = len(_prompt(request)) - computed
@@ -234,6 +237,12 @@ class XferkitConnector:
         rid = request.request_id
         if not num_external_tokens or not params.get("do_remote_prefill") or rid in self._asked:
             return
+        if rid in self._aborting:  # one id, two loads: the worker could not tell them apart
+            raise XferError(
+                f"request {rid!r}: an earlier load under this id is still being aborted "
+                "(get_num_new_matched_tokens said to wait)",
+                subject=rid,
+            )
         try:
             ids = _ids(blocks.get_unhashed_block_ids(), "blocks")
         except AttributeError:
@@ -282,9 +291,13 @@ class XferkitConnector:
         """Every worker's reports, merged: the loads that ended are no longer in flight."""
         self._as(Role.SCHEDULER, "update_connector_output")
         received = getattr(connector_output, "finished_recving", None)
-        if not isinstance(received, set | frozenset | None):
+        sent = getattr(connector_output, "finished_sending", None)
+        if not isinstance(received, set | frozenset | None) or not isinstance(
+            sent, set | frozenset | None
+        ):
             raise ArgumentError(f"not a KVConnectorOutput: {connector_output!r}")
         self._loading -= received or set()
+        self._aborting -= sent or set()  # an aborted load is reported sent once FAILED
 
     def request_finished(
         self, request: Request, block_ids: list[int] | tuple[list[int], ...]
@@ -299,6 +312,7 @@ class XferkitConnector:
         if request.request_id in self._loading:  # ended while its load may still be landing:
             self._loading.discard(request.request_id)  # the blocks wait for the aborted load
             self._aborts.add(request.request_id)  # to be FAILED, then read as "sent"
+            self._aborting.add(request.request_id)
             return True, None
         status = getattr(request, "status", None)
         status = str(getattr(status, "name", status)).lower()  # vLLM's RequestStatus or a str
@@ -376,13 +390,17 @@ class XferkitConnector:
                 recv.abort(timeout=0)
             self._sends[rid] = recv  # reported with the sends: vLLM frees delayed blocks so
         for rid, blocks in self._meta.offers.items():
+            if self._sends.get(rid) is not None:  # finished twice: its live Send reads on
+                log.warning("request %r: offered again while its Send is live: ignored", rid)
+                continue
             send: Send | None = None
             try:
                 send = session.offer(rid)
                 send.write({POOL: blocks}, last=True)
-            except XferError as exc:  # the id was used: nothing is held for it
+            except XferError as exc:  # the id was used, or a block refused: nothing is read
                 log.warning("request %r: offer() refused: %s", rid, exc)
-                send = None
+                if send is not None:  # offered, never written: the decode must not wait on it
+                    send.abort(timeout=0)
             self._sends[rid] = send
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -514,9 +532,9 @@ def _ids(value: object, what: str) -> np.ndarray:
         arr = np.asarray(value)
     except Exception:
         arr = np.zeros((0, 0))
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu") or (arr < 0).any():
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or (arr < 0).any())):
         raise ArgumentError(f"{what}: block ids are non-negative ints, not {value!r}")
-    return arr.astype(np.int64)
+    return arr.astype(np.int64) if arr.size else np.zeros(0, np.int64)  # any empty dtype
 
 
 def _count(value: object, what: str, least: int = 0) -> int:
