@@ -1,5 +1,6 @@
 """Staging sized past what the machine holds: the Session is refused with an XferError naming
-``staging_bytes``, and the backend it was handed is left as it was (nothing registered)."""
+``staging_bytes``, and the backend it was handed is left as it was (nothing registered).
+Before, numpy's ValueError or MemoryError came out of ``Session()``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,6 @@ import xferkit as xk
 from xferkit.session import Session
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core defect (sdk/xferkit/session/rounds.py _allocate): np.empty(staging_bytes) "
-    "raises numpy's ValueError or MemoryError out of Session(), not an XferError",
-)
 @pytest.mark.parametrize("nbytes", [2**45, 2**70], ids=["32-TiB", "2**70"])
 def test_staging_larger_than_memory_is_an_xfer_error_naming_it(nbytes: int) -> None:
     buf = np.zeros((8, 16), np.uint8)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..copier import Copier, copier_for
 from ..descriptors import Descriptors
-from ..errors import XferError
+from ..errors import ArgumentError, XferError
 from ..manifest import STAGING_POOL, Manifest, Region
 from ..staging import StagedRequest
 
@@ -63,16 +63,24 @@ class Staging:
 
 
 def _allocate(nbytes: int, device: str) -> tuple[Any, int]:
-    """``nbytes`` of memory on ``device`` (faulted in on the host), and its address."""
-    if device == "cpu" or not nbytes:
-        host = np.empty(nbytes, dtype=np.uint8)
-        if nbytes:
-            host[::4096] = 0  # fault it in now rather than on the first request
-        return host, int(host.ctypes.data)
-    import torch  # only a device copier leads here, and it imported torch already
+    """``nbytes`` of memory on ``device`` (faulted in on the host), and its address; an
+    ``ArgumentError`` naming ``staging_bytes`` when the machine cannot hold it."""
+    try:
+        if device == "cpu" or not nbytes:
+            host = np.empty(nbytes, dtype=np.uint8)
+            if nbytes:
+                host[::4096] = 0  # fault it in now rather than on the first request
+            return host, int(host.ctypes.data)
+        import torch  # only a device copier leads here, and it imported torch already
 
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return gpu, int(gpu.data_ptr())
+        gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return gpu, int(gpu.data_ptr())
+    except (MemoryError, ValueError, RuntimeError) as exc:  # torch's out of memory included
+        raise ArgumentError(
+            f"staging_bytes={nbytes}: cannot allocate that much on {device} "
+            f"({type(exc).__name__}: {exc}); pass a smaller staging_bytes",
+            subject=nbytes,
+        ) from exc
 
 
 ALIGN = 64  # staging pieces start on cache lines (a copy into one never shares a line)
