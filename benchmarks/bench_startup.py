@@ -5,7 +5,11 @@ Each case runs in a fresh interpreter (so imports are cold in the process,
 warm in the page cache, as a rank's restart is) and times its own phases:
 
 * ``raw``: the driver's own API only (NIXL: ``nixl_agent`` with a UCX
-  backend; Mooncake: ``TransferEngine().initialize`` over tcp on 127.0.0.1);
+  backend, imported from its compiled wheel ``nixl_cu12``; Mooncake:
+  ``TransferEngine().initialize`` over tcp on 127.0.0.1);
+* ``meta`` (NIXL only): the same through the ``nixl`` meta package, which
+  imports torch to pick a wheel when it cannot read a CUDA version (a CPU build
+  of torch installed, as here);
 * ``xferkit``: ``import xferkit``, ``open_backend`` with the same settings,
   then a ``Session`` over one registered 1 MiB region (its sockets, its
   threads, its staging) and ``close``.
@@ -31,12 +35,18 @@ from typing import Any
 
 from report import Column, header, line, parser, save
 
+NIXL_META = """
+from nixl._api import nixl_agent, nixl_agent_config
+mark("import")
+nixl_agent("raw-%d" % os.getpid(), nixl_agent_config(
+    enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]))
+mark("open")
+"""
+"""NIXL through its meta package, which imports torch when it cannot read a CUDA version."""
+
 RAW = {
     "nixl": """
-try:
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+from nixl_cu12._api import nixl_agent, nixl_agent_config
 mark("import")
 nixl_agent("raw-%d" % os.getpid(), nixl_agent_config(
     enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]))
@@ -55,6 +65,9 @@ mark("import")
 mark("open")
 """,
 }
+
+KINDS = {"nixl": ("raw", "meta", "xferkit")}
+"""Cases per driver: its compiled API alone, NIXL's meta package, and xferkit over it."""
 
 OPTIONS = {"nixl": {}, "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"}, "loopback": {}}
 
@@ -92,7 +105,7 @@ os._exit(0)
 
 def run(name: str, kind: str, env: dict[str, str], ranks: int) -> list[dict[str, float]]:
     """``ranks`` children of one case started together (an engine starts its ranks at once)."""
-    body = RAW[name] if kind == "raw" else XFERKIT
+    body = {"raw": RAW[name], "meta": NIXL_META}.get(kind, XFERKIT)
     code = f"{PRELUDE}\nNAME = {name!r}\nOPTIONS = {OPTIONS[name]!r}\n{body}\n{EPILOGUE}"
     procs = [
         subprocess.Popen(
@@ -137,15 +150,14 @@ def main() -> None:
     args.add_argument("--ranks", default="1,6", help="children started together, per case")
     opts = args.parse_args()
     env = child_env()
-    for name in opts.drivers.split(","):  # warm-up: bytecode written, page cache filled
-        for kind in ("raw", "xferkit"):
-            run(name, kind, env, 1)
+    cases = [(n, k) for n in opts.drivers.split(",") for k in KINDS.get(n, ("raw", "xferkit"))]
+    for name, kind in cases:  # warm-up: bytecode written, page cache filled
+        run(name, kind, env, 1)
     samples: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     for _ in range(opts.repeat):
         for ranks in (int(n) for n in opts.ranks.split(",")):
-            for name in opts.drivers.split(","):
-                for kind in ("raw", "xferkit"):
-                    samples.setdefault((ranks, name, kind), []).extend(run(name, kind, env, ranks))
+            for name, kind in cases:
+                samples.setdefault((ranks, name, kind), []).extend(run(name, kind, env, ranks))
     rows: list[dict[str, Any]] = []
     for (ranks, name, kind), runs in samples.items():
         phases = {p: statistics.median(r.get(p, 0.0) for r in runs) for p in runs[0]}

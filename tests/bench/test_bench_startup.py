@@ -21,8 +21,8 @@ def test_every_case_reports_its_phases(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["ranks"], r["driver"], r["case"]): r for r in rows}
-    assert set(cases) == {(n, d, c) for n in (1, 2) for d in ("loopback", "nixl")
-                          for c in ("raw", "xferkit")}  # fmt: skip
+    kinds = {"loopback": ("raw", "xferkit"), "nixl": ("raw", "meta", "xferkit")}
+    assert set(cases) == {(n, d, c) for n in (1, 2) for d, ks in kinds.items() for c in ks}
     for (ranks, _driver, case), r in cases.items():
         assert r["runs"] == ranks
         if case == "xferkit":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import sys
 import threading
@@ -30,15 +32,31 @@ def _logs_to_stderr() -> None:
             handler.setStream(_Stderr())  # type: ignore[arg-type]
 
 
+WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+"""NIXL's compiled wheels, one per CUDA (or ROCm) major version."""
+
+
+def wheel() -> str:
+    """The module to import NIXL from: the one compiled wheel installed, else the meta package.
+
+    The ``nixl`` meta package picks the wheel matching the process's CUDA version, and where
+    it cannot read one (a CPU build of torch installed, no CUDA library loaded) it imports
+    torch to ask: 1.3 s in a fresh process here, 5 s with six ranks starting at once
+    (``benchmarks/bench_startup.py``). With one wheel installed there is nothing to pick.
+    """
+    if "torch" not in sys.modules:
+        found = [m for m in WHEELS if importlib.util.find_spec(m) is not None]
+        if len(found) == 1:
+            return found[0]
+    return "nixl" if importlib.util.find_spec("nixl") is not None else "nixl_cu12"
+
+
 @cache
 def load() -> tuple[ModuleType, ModuleType]:
     """NIXL's Python API module and its bindings (with the exception types)."""
-    try:  # the nixl meta package picks the wheel matching the CUDA version
-        from nixl import _api as api
-        from nixl import _bindings as bindings
-    except ImportError:
-        from nixl_cu12 import _api as api  # type: ignore[no-redef]
-        from nixl_cu12 import _bindings as bindings  # type: ignore[no-redef,attr-defined]
+    name = wheel()
+    api = importlib.import_module(f"{name}._api")
+    bindings = importlib.import_module(f"{name}._bindings")
     _logs_to_stderr()
     return api, bindings
 
