@@ -34,6 +34,8 @@ from .descriptors import Descriptors, merge_neighbours
 from .errors import PlanError
 from .manifest import RegionKey, key_label
 from .planner import PagePairs, Pieces, Plan, RegionGroup
+from .planner.expand import Layers, of_layers
+from .planner.plan import LAYER_SETS
 
 RoutePath = Literal["direct", "pack", "unpack", "both"]
 PATHS: tuple[RoutePath, ...] = get_args(RoutePath)
@@ -141,6 +143,24 @@ class StagedPlan:
         self._staged = sorted(
             (s for s in groups if s.path != "direct"), key=lambda s: order[s.path]
         )
+        self._layered: dict[frozenset[int], tuple[list[RegionGroup], list[_RoutedGroup]]] = {}
+
+    def _of_layers(self, layers: Layers) -> tuple[list[RegionGroup], list[_RoutedGroup]]:
+        """The direct and staged groups with only the regions of ``layers`` (None: all)."""
+        if layers is None:
+            return self._direct, self._staged
+        got = self._layered.get(layers)
+        if got is None:
+            if len(self._layered) >= LAYER_SETS:
+                self._layered.clear()
+            direct = [h for g in self._direct if (h := of_layers(g, layers)) is not None]
+            staged = [
+                s._replace(group=h)
+                for s in self._staged
+                if (h := of_layers(s.group, layers)) is not None
+            ]
+            got = self._layered[layers] = (direct, staged)
+        return got
 
     @property
     def staged(self) -> bool:
@@ -162,13 +182,15 @@ class StagedPlan:
         src_capacity: int,
         dst_capacity: int,
         direct: bool = True,
+        layers: Layers = None,
     ) -> StagedRequest:
         """The direct descriptors and the staged rounds of ``request`` (as ``Plan.expand``'s).
 
         Each round needs at most ``src_capacity`` bytes of source staging and
         ``dst_capacity`` of destination staging; a unit larger than either is a
         ``PlanError`` naming its region. ``direct=False`` leaves the direct
-        descriptors out: the unpacking side needs only the rounds.
+        descriptors out: the unpacking side needs only the rounds. ``layers`` (a
+        frozenset of layer ids) keeps only those layers' regions: a layer-wise chunk.
         """
         expect(request, Mapping, "StagedPlan.expand() (pool -> (src_slots, dst_slots))")
         for name, cap in (("src_capacity", src_capacity), ("dst_capacity", dst_capacity)):
@@ -176,10 +198,11 @@ class StagedPlan:
                 raise PlanError(f"{name} must be an int >= 0, not {cap!r}")
         src_capacity, dst_capacity = min(src_capacity, _UNBOUNDED), min(dst_capacity, _UNBOUNDED)
         slots = self.plan.page_pairs(request)
-        on_wire = self.plan.expand_groups(slots, self._direct) if direct else Descriptors.empty()
+        direct_groups, staged_groups = self._of_layers(layers)
+        on_wire = self.plan.expand_groups(slots, direct_groups) if direct else Descriptors.empty()
         parts: list[tuple[_RoutedGroup, PagePairs]] = []
         requested: dict[str, PagePairs] = {}
-        for s in self._staged:
+        for s in staged_groups:
             pairs = slots.get(s.group.pool)
             if pairs is None or not pairs.src.size:
                 continue

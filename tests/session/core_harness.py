@@ -181,7 +181,7 @@ class Net:
         import numpy as np
 
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in slots.items()}
-        self.apply("pre", self.pre.write(self.handles["pre", rid], arrays, last, self.now))
+        self.apply("pre", self.pre.write(self.handles["pre", rid], arrays, last, None, self.now))
 
     def abort(self, side: str, rid: str) -> None:
         core = self.pre if side == "pre" else self.dec

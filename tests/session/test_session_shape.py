@@ -14,8 +14,9 @@ import xferkit.session
 
 SESSION = Path(xferkit.session.__file__).parent
 CORE = {
-    "actions", "core", "incoming", "outgoing", "pairs", "protocol", "recvs", "rounds",
-    "roster", "sends", "sources", "staged", "states", "timeline", "unpacking", "wire",
+    "actions", "core", "incoming", "layerwise", "outgoing", "pairs", "prefix", "protocol",
+    "recvs", "rounds", "roster", "sends", "sources", "staged", "states", "timeline",
+    "unpacking", "wire",
 }  # fmt: skip
 FORBIDDEN = {"zmq", "threading", "time", "socket", "concurrent", "xferkit.backend"}
 

@@ -41,6 +41,22 @@ class RegionGroup(NamedTuple):
         return self.alignment.pieces
 
 
+Layers = frozenset[int] | None
+"""The layers a layer-wise chunk covers (None: every layer)."""
+
+
+def of_layers(g: RegionGroup, layers: frozenset[int]) -> RegionGroup | None:
+    """``g`` with only its regions of ``layers`` (None when it holds none of them)."""
+    keep = np.fromiter((k[2] in layers for k in g.keys), dtype=bool, count=len(g.keys))
+    if keep.all():
+        return g
+    if not keep.any():
+        return None
+    idx = np.flatnonzero(keep)
+    keys = tuple(g.keys[i] for i in idx)
+    return g._replace(keys=keys, src_base=g.src_base[idx], dst_base=g.dst_base[idx])
+
+
 class PagePairs(NamedTuple):
     """A request's page pairs for one pool, sorted by destination: slot indices, the page
     within each slot (None when every slot is one page) and which pair of the request, in the

@@ -17,8 +17,11 @@ from ..arguments import expect
 from ..descriptors import Descriptors
 from ..errors import PlanError
 from ..manifest import STAGING_POOL, Manifest, Region, RegionKey
-from .expand import PagePairs, RegionGroup, Slots, expand_groups, page_pairs
+from .expand import Layers, PagePairs, RegionGroup, Slots, expand_groups, of_layers, page_pairs
 from .pieces import NO_PIECES, Alignment, Pieces, align, geometry
+
+LAYER_SETS = 256
+"""Layer sets whose region groups a ``Plan`` keeps at once (a bound: callers choose them)."""
 
 
 class Plan:
@@ -30,7 +33,9 @@ class Plan:
     __slots__ = (
         "_alignments",
         "_groups",
+        "_layered",
         "_origin",
+        "_pool_layers",
         "_slots",
         "dst_rank",
         "src_rank",
@@ -56,6 +61,11 @@ class Plan:
             MappingProxyType(pages),
         )
         self._groups = tuple(groups)
+        self._layered: dict[frozenset[int], tuple[RegionGroup, ...]] = {}
+        self._pool_layers: dict[str, frozenset[int]] = {}
+        for g in self._groups:
+            had = self._pool_layers.get(g.pool, frozenset())
+            self._pool_layers[g.pool] = had | {k[2] for k in g.keys}
         self._alignments = alignments
         self._origin = (src, dst)
 
@@ -114,14 +124,34 @@ class Plan:
         alignment = self.alignment(key)
         return "" if alignment is None else alignment.note
 
-    def expand(self, request: Mapping[str, tuple[object, object]]) -> Descriptors:
+    def expand(
+        self, request: Mapping[str, tuple[object, object]], layers: Layers = None
+    ) -> Descriptors:
         """Descriptors for a request: ``request[pool] = (src_slot_indices, dst_slot_indices)``.
 
-        Pools of the plan absent from ``request`` are not transferred. Every input
-        is checked before anything is produced.
+        Pools of the plan absent from ``request`` are not transferred; with ``layers``
+        (a frozenset of layer ids: a layer-wise chunk), only those layers' regions are.
+        Every input is checked before anything is produced.
         """
         expect(request, Mapping, "Plan.expand() (pool -> (src_slots, dst_slots))")
-        return self.expand_groups(self.page_pairs(request), self._groups)
+        return self.expand_groups(self.page_pairs(request), self.of_layers(layers))
+
+    def of_layers(self, layers: Layers) -> tuple[RegionGroup, ...]:
+        """The region groups holding only the regions of ``layers`` (None: all of them)."""
+        if layers is None:
+            return self._groups
+        expect(layers, frozenset, "Plan.of_layers() (a frozenset of layer ids)")
+        got = self._layered.get(layers)
+        if got is None:
+            if len(self._layered) >= LAYER_SETS:
+                self._layered.clear()  # an engine uses a few sets (each layer, a range)
+            got = tuple(h for g in self._groups if (h := of_layers(g, layers)) is not None)
+            self._layered[layers] = got
+        return got
+
+    def layers(self, pool: str) -> frozenset[int]:
+        """The layers of ``pool`` this source writes something into this destination."""
+        return self._pool_layers.get(pool, frozenset())
 
     def page_pairs(self, request: Mapping[str, tuple[object, object]]) -> dict[str, PagePairs]:
         """Each pool of ``request`` checked and turned into page pairs, sorted by destination."""

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from ..arguments import seconds
 from ..errors import XferError
+from ..manifest import Manifest
+from .layerwise import check_layers
 from .states import RequestError, Routes, State
 from .timeline import Span
 
 
 class Owner(Protocol):
     """What a handle asks of its session: queue a command, check slots, report its end."""
+
+    manifest: Manifest
 
     def _submit(self, command: tuple[Any, ...]) -> None: ...
     def _local_slots(self, slots: object, what: str) -> dict[str, Any]: ...
@@ -164,10 +168,15 @@ class Send(_Handle):
         self._times = {State.WAITING: self._times.pop(State.HANDSHAKING)}
         self._last = False
 
-    def write(self, slots: Mapping[str, Any], last: bool = False) -> None:
+    def write(
+        self, slots: Mapping[str, Any], last: bool = False, layers: Iterable[int] | None = None
+    ) -> None:
         """Send the next chunk: ``slots[pool]`` are source slots, mapped in order onto the next
         unfilled destination slots of that pool; ``last=True`` on the final chunk.
 
+        ``layers``: only these layers' regions (a layer-wise write, as the forward pass
+        finishes them); the same slots are then written for the other layers before the
+        next chunk, and ``last`` goes on the chunk's final layers (``layerwise``).
         Checked against the local manifest at once; the write itself starts when
         the destination slots are known (now, or when the decode side names them).
         """
@@ -175,8 +184,10 @@ class Send(_Handle):
             raise XferError(f"write(last=) is a bool, not {last!r}")
         if self._last:
             raise XferError(f"request {self.request_id!r}: write() after the last chunk")
-        checked = self._session._local_slots(slots, f"request {self.request_id!r}: write()")
+        what = f"request {self.request_id!r}: write()"
+        checked = self._session._local_slots(slots, what)
+        covers = check_layers(layers, self._session.manifest, what)
         if self.done:
             return  # failed already (or aborted): nothing more is written
         self._last = last
-        self._session._submit(("write", self, checked, last))
+        self._session._submit(("write", self, checked, last, covers))

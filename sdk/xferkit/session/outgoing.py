@@ -17,9 +17,11 @@ import numpy as np
 
 from ..descriptors import Descriptors
 from ..errors import PlanError, ProtocolError
+from ..planner.expand import Layers
 from . import actions as act
 from . import wire
 from .core import Out, Settings, log, remember, stage_text
+from .layerwise import pool_layers
 from .pairs import Down
 from .sends import Dst, Ledger, SendRec, reused, rid_of, unpack_slots
 from .staged import Stager
@@ -37,6 +39,7 @@ class Outgoing:
         self._wid = 0
         self.ledger = Ledger(s.max_unoffered)
         self.stager = Stager(s, self._post, self.fail, lambda: self.now)
+        self.layers = pool_layers(s.manifest)  # what a layer-wise chunk owes, per pool
 
     def _rec(self, rid: str, now: float) -> SendRec:
         rec = self.sends.get(rid)
@@ -126,9 +129,9 @@ class Outgoing:
             rec.deadline = now + self.s.request_timeout_s
         rec.dst_size = shape
         dst = rec.dsts[place] = Dst(down, msg, slots)
-        for chunk, last in rec.chunks:
+        for chunk, last, layers in rec.chunks:
             if rec.error is None:
-                self._write_chunk(rec, dst, chunk, last, now)
+                self._write_chunk(rec, dst, chunk, last, layers, now)
         self._check(rec)
 
     def _early_failure(self, rid: str, error: RequestError) -> None:
@@ -192,16 +195,18 @@ class Outgoing:
             self.out.move(handle, State.WAITING)
         self._check(rec)
 
-    def write(self, handle: object, slots: dict[str, np.ndarray], last: bool, now: float) -> None:
+    def write(
+        self, handle: object, slots: dict[str, np.ndarray], last: bool, layers: Layers, now: float
+    ) -> None:
         rec = self.sends.get(rid_of(handle))
         if rec is None or rec.handle is not handle or rec.error is not None:
             return
-        rec.chunks.append((slots, last))
+        rec.chunks.append((slots, last, layers))
         rec.last = last
         if last and not rec.dsts:  # prefill finished first: hold under a lease
             rec.lease_until = now + self.s.lease_s
         for dst in rec.dsts.values():
-            self._write_chunk(rec, dst, slots, last, now)
+            self._write_chunk(rec, dst, slots, last, layers, now)
             if rec.error is not None:
                 return
         self._check(rec)
@@ -212,11 +217,12 @@ class Outgoing:
             self.fail(rec, "abort", "aborted by the engine")
 
     def _write_chunk(
-        self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool, now: float
-    ) -> None:
+        self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool, layers: Layers,
+        now: float,
+    ) -> None:  # fmt: skip
         plan = dst.down.plan
         assert plan is not None
-        mapped = dst.take(slots, last, plan.pages)
+        mapped = dst.take(slots, last, plan, layers, self.layers)
         if isinstance(mapped, str):
             self.fail(rec, "plan", mapped)
             return
@@ -224,14 +230,14 @@ class Outgoing:
         if not dst.needed:
             return
         began = self.s.clock()
-        staged = self.stager.chunk(rec, dst, request, spans)
+        staged = self.stager.chunk(rec, dst, request, spans, layers)
         chunk = None
         if staged is not None:
             descs, chunk = staged
             dst.planned += chunk.out.rounds
         else:
             try:
-                descs = plan.expand(request)
+                descs = plan.expand(request, layers)
             except PlanError as exc:
                 self.fail(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
                 return

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ProtocolError
+from ..planner.expand import Layers
 from . import actions as act
 from . import wire
 from .core import Out, Settings, log
@@ -82,10 +83,11 @@ class Protocol:
         return self.out.take()
 
     def write(
-        self, handle: object, slots: dict[str, np.ndarray], last: bool, now: float
-    ) -> list[act.Action]:
+        self, handle: object, slots: dict[str, np.ndarray], last: bool, layers: Layers,
+        now: float,
+    ) -> list[act.Action]:  # fmt: skip
         self._enter(now)
-        self.outgoing.write(handle, slots, last, now)
+        self.outgoing.write(handle, slots, last, layers, now)
         return self.out.take()
 
     def abort(self, handle: object, now: float) -> list[act.Action]:

@@ -4,12 +4,15 @@ the staged ``Chunk``s of each."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import numpy as np
 
 from ..descriptors import Descriptors
 from ..errors import ProtocolError
+from ..planner import Plan
+from ..planner.expand import Layers
 from . import wire
 from .core import MAX_EARLY, MAX_UNOFFERED, MAX_UNOFFERED_SLOTS, remember
 from .pairs import Down
@@ -24,10 +27,10 @@ class Chunk:
     """One staged chunk to one decode rank: its rounds and the piece of staging they pack
     into (``slice``, 0 until it has one; ``need``: its size, 0 when it packs nothing)."""
 
-    __slots__ = ("at", "index", "need", "out", "slice", "waiting_since")
+    __slots__ = ("at", "index", "layers", "need", "out", "slice", "waiting_since")
 
-    def __init__(self, index: int, out: Outbound, need: int, at: dict) -> None:
-        self.index, self.out, self.need, self.at = index, out, need, at
+    def __init__(self, index: int, out: Outbound, need: int, at: dict, layers: Layers) -> None:
+        self.index, self.out, self.need, self.at, self.layers = index, out, need, at, layers
         self.slice = 0
         self.waiting_since = 0.0
 
@@ -42,6 +45,42 @@ def unpack_slots(slots: dict[str, bytes]) -> dict[str, np.ndarray]:
     return out
 
 
+Mapped = tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, tuple[int, int, int]]]
+"""A chunk mapped onto one decode place: the request per pool and its (first, count, sources)."""
+
+
+class Span:
+    """A layer-wise chunk of one pool to one decode place: its slots, mapped once (None: all
+    held there already, ``skip``), and the layers of the pool it still owes."""
+
+    __slots__ = ("at", "every", "left", "raw", "request")
+
+    def __init__(
+        self, raw: np.ndarray, request: tuple[np.ndarray, np.ndarray] | None,
+        at: tuple[int, int, int] | None, every: frozenset[int], written: frozenset[int],
+    ) -> None:  # fmt: skip
+        self.raw, self.request, self.at, self.every = raw, request, at, every
+        self.left = every - written
+
+    @property
+    def complete(self) -> bool:
+        return not self.left
+
+    def more(self, raw: np.ndarray, layers: Layers, pool: str) -> str:
+        """Take the next layers of this chunk; why not, if they cannot be."""
+        if layers is None or not np.array_equal(raw, self.raw):
+            return (
+                f"a chunk of pool {pool!r} while layers {sorted(self.left)} of the layer-wise "
+                "chunk before it are unwritten: write every layer of a chunk, with the same "
+                "slots, before the next chunk"
+            )
+        twice = (layers & self.every) - self.left
+        if twice:
+            return f"layers {sorted(twice)} of pool {pool!r} written twice for the same slots"
+        self.left = self.left - layers
+        return ""
+
+
 class Dst:
     """One decode place's part of a prefill request: bound to the connection that claimed it."""
 
@@ -51,6 +90,7 @@ class Dst:
         self.needed = msg.needed
         self.slots = slots
         self.cursor = dict.fromkeys(self.slots, 0)
+        self.spans: dict[str, Span] = {}  # pool -> the layer-wise chunk whose layers still come
         self.skip: dict[str, int] = dict(msg.skip)  # destination slots held: see skipping()
         self.seq = 0  # writes posted
         self.planned = 0  # writes posted or still to post (staged rounds): the total, once last
@@ -62,29 +102,44 @@ class Dst:
         self.halves = Halves()  # of its slice, shared by the staged chunks
 
     def take(
-        self,
-        slots: dict[str, np.ndarray],
-        last: bool,
-        pages: Callable[[str], tuple[int, int] | None],
-    ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, tuple[int, int, int]]] | str:
-        """Map a chunk's source slots onto this place's next unfilled slots (``pages(pool)``:
-        source and destination pages per slot, None for a pool no region of the pair holds):
-        the request and each pool's (first, count, sources) span, or why the chunk cannot."""
+        self, slots: dict[str, np.ndarray], last: bool, plan: Plan, layers: Layers = None,
+        every: Mapping[str, frozenset[int]] = MappingProxyType({}),
+    ) -> Mapped | str:  # fmt: skip
+        """Map a chunk's source slots onto this place's next unfilled slots: the request and
+        each pool's (first, count, sources) span, or why the chunk cannot.
+
+        A layer-wise chunk (``layers``) maps onto the slots the same chunk of every layer
+        would; the pool's next chunk starts once every layer of it (``every[pool]``: this
+        rank's) was written, each once, with the same source slots."""
         request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         spans: dict[str, tuple[int, int, int]] = {}
-        for pool, src in slots.items():
-            have = self.slots.get(pool, _NONE)
-            at = self.cursor.get(pool, 0)
-            ratio = pages(pool)
-            if ratio is None:  # no region of it here (another pipeline stage's): none of ours
+        for pool, raw in slots.items():
+            ratio = plan.pages(pool)  # None: no region of it here (another pipeline stage's)
+            owed = every.get(pool, frozenset())
+            if ratio is None or (layers is not None and not layers & owed):
                 continue
+            span = self.spans.get(pool)
+            if span is not None:
+                problem = span.more(raw, layers, pool)
+                if problem:
+                    return problem
+                if span.request is not None and span.at is not None:
+                    request[pool], spans[pool] = span.request, span.at
+                    if span.complete:
+                        self.cursor[pool] = span.at[0] + span.at[1]
+                if span.complete:
+                    del self.spans[pool]
+                continue
+            src, have, at = raw, self.slots.get(pool, _NONE), self.cursor.get(pool, 0)
             left = self._skipping(pool, ratio)
             if isinstance(left, str):
                 return left
             if left:  # the first source slots fill what the destination holds already
                 drop = min(left, src.size)
                 src, self.skip[pool] = src[drop:], drop - left
-                if not src.size:
+                if not src.size:  # all of it held there: so are the chunk's other layers
+                    if layers is not None and not owed <= layers:
+                        self.spans[pool] = Span(raw, None, None, owed, layers)
                     continue
             count, problem = _dst_count(src.size, ratio, last)
             room = have.size - at
@@ -96,13 +151,22 @@ class Dst:
                 return f"a chunk names {src.size} slots of pool {pool!r}: {problem}"
             request[pool] = (src, have[at : at + count])
             spans[pool] = (at, count, src.size)
-            self.cursor[pool] = at + count
+            if layers is not None and not owed <= layers:
+                self.spans[pool] = Span(raw, request[pool], spans[pool], owed, layers)
+            else:
+                self.cursor[pool] = at + count
+        if last and self.spans:
+            p, span = next(iter(self.spans.items()))
+            return (
+                f"the last chunk leaves layers {sorted(span.left)} of pool {p!r} unwritten for "
+                f"its last chunk's slots to {self.down.where()}"
+            )
         if last:
             # Pools no region of this pair holds (another pipeline stage's) are not ours to fill.
             short = [
                 p
                 for p, s in self.slots.items()
-                if self.cursor[p] != s.size and pages(p) is not None
+                if self.cursor[p] != s.size and plan.pages(p) is not None
             ]
             if short:
                 p = short[0]
@@ -153,7 +217,7 @@ class SendRec:
         self.handle: object | None = None
         self.dsts: dict[tuple[int, int], Dst] = {}  # (pipeline stage, TP rank) -> its part
         self.dst_size: tuple[int, int] | None = None  # decode (TP size, pipeline stages)
-        self.chunks: list[tuple[dict[str, np.ndarray], bool]] = []
+        self.chunks: list[tuple[dict[str, np.ndarray], bool, Layers]] = []
         self.last = False
         self.deadline = deadline
         self.lease_until: float | None = None  # set while written, held and unclaimed

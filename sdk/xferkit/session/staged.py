@@ -21,6 +21,7 @@ import numpy as np
 
 from ..descriptors import Descriptors
 from ..errors import PlanError
+from ..planner.expand import Layers
 from . import wire
 from .core import Settings, log
 from .rounds import Outbound, Runner, aligned
@@ -51,6 +52,7 @@ class Stager:
         dst: Dst,
         request: Mapping[str, tuple[np.ndarray, np.ndarray]],
         at: dict[str, tuple[int, int, int]],
+        layers: Layers = None,
     ) -> tuple[Descriptors, Chunk] | None:
         """The chunk's direct part and its staged rounds, or None when it goes direct."""
         staged = dst.down.staged
@@ -63,8 +65,9 @@ class Stager:
         arena = self.s.arena
         try:
             req = staged.expand(
-                request, src_capacity=arena.half, dst_capacity=dst.staging_bytes // 2
-            )
+                request, src_capacity=arena.half, dst_capacity=dst.staging_bytes // 2,
+                layers=layers,
+            )  # fmt: skip
         except PlanError as exc:
             log.warning("%s: staging request %r: %s; going direct", self.s.address, rec.rid, exc)
             return None
@@ -81,7 +84,7 @@ class Stager:
             self.s.copier,
             self._runner(rec.rid) if packs else None,
         )
-        chunk = Chunk(dst.chunks, out, need, at)
+        chunk = Chunk(dst.chunks, out, need, at, layers)
         dst.chunks += 1
         dst.staged[chunk.index] = chunk
         if need:
@@ -134,7 +137,8 @@ class Stager:
                 if ready is None:
                     break
                 k, h, wire_copies = ready
-                r = wire.Round(chunk=chunk.index, index=k, at=chunk.at, half=h)
+                layers = None if chunk.layers is None else sorted(chunk.layers)
+                r = wire.Round(chunk=chunk.index, index=k, at=chunk.at, half=h, layers=layers)
                 self._post(rec, dst, wire_copies, r)
             if chunk.out.complete == chunk.out.rounds and chunk.slice:
                 self._give(chunk)  # every round left it: another chunk may pack

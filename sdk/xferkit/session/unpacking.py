@@ -34,7 +34,8 @@ class Source:
         self.rank, self.seen, self.total = rank, 0, 0
         self.slice = self.offer = 0
         self.inbound: dict[int, Inbound] = {}  # staged chunk -> its rounds, unpacked as they land
-        self.claimed: dict[str, np.ndarray] = {}  # pool -> the request's slots a chunk named
+        # (pool, layer) -> the request's slots a chunk named (a layer-wise chunk: its layers)
+        self.claimed: dict[tuple[str, int], np.ndarray] = {}
 
     @property
     def complete(self) -> bool:
@@ -108,19 +109,23 @@ class Unpacker:
         if up.staged is None or up.welcome is None or self.s.copier is None:
             raise PlanError("a round from a pair without staging")
         chunk = {}
+        plan, layers = up.staged.plan, None if r.layers is None else frozenset(r.layers)
         for pool, (first, count, sources) in r.at.items():
             dst = slots[pool][first : first + count]
-            claimed = src.claimed.get(pool)
-            if claimed is None:
-                claimed = src.claimed[pool] = np.zeros(slots[pool].size, bool)
-            pages = up.staged.plan.pages(pool) or (1, 1)
+            every = plan.layers(pool)
+            claimed = [
+                src.claimed.setdefault((pool, layer), np.zeros(slots[pool].size, bool))
+                for layer in (every if layers is None else every & layers)
+            ]
+            pages = plan.pages(pool) or (1, 1)
             if (
                 dst.size != count
                 or sources > count * pages[1]
-                or claimed[first : first + count].any()
+                or any(c[first : first + count].any() for c in claimed)
             ):
                 raise PlanError(f"slots [{first}, +{count}) of pool {pool!r} from {sources}")
-            claimed[first : first + count] = True
+            for c in claimed:
+                c[first : first + count] = True
             # Only how many: the sources' slots are the prefill rank's to know.
             chunk[pool] = (np.zeros(sources, dtype=np.int64), dst)
         half = src.offer // 2 if src.slice else 0
@@ -129,5 +134,6 @@ class Unpacker:
             src_capacity=up.welcome.slice_bytes // 2,
             dst_capacity=half,
             direct=False,
+            layers=layers,
         )
         return Inbound(req, src.slice, half, self.s.copier)

@@ -25,6 +25,9 @@ MAX_MESSAGE = 64 << 20
 MAX_SLOTS = 1 << 22
 """Most slot indices one request may name per pool."""
 
+MAX_LAYERS = 1 << 16
+"""Layer ids a layer-wise staged round may name."""
+
 SLOT = "<u4"
 """How a ``Request`` packs slot indices: little-endian uint32, 4 bytes a slot (numpy dtype)."""
 
@@ -162,12 +165,14 @@ class Round(msgspec.Struct, frozen=True, array_like=True):
     """Which staged round a write carries: round ``index`` of chunk ``chunk``, whose slots are
     ``at[pool] = (first, count, sources)``: ``count`` of the destination's slots of the request
     from ``first``, filled from ``sources`` source slots (more or fewer when pages differ),
-    landed in ``half`` of the staging slice the destination offered (when it unpacks)."""
+    landed in ``half`` of the staging slice the destination offered (when it unpacks), of
+    the regions of ``layers`` only when the chunk was written layer by layer."""
 
     chunk: Count
     index: Count
     at: Annotated[dict[Pool, tuple[Count, Count, Count]], msgspec.Meta(max_length=256)]
     half: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0  # of the decode rank's slice
+    layers: Annotated[list[Count], msgspec.Meta(max_length=MAX_LAYERS)] | None = None
 
 
 class Written(_Msg, frozen=True, tag="written"):

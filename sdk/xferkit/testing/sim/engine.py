@@ -217,7 +217,7 @@ class Engine:
         if h.terminal:
             return  # an engine stops writing a request that ended (Session.write would raise)
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in chunk.items()}
-        self.w.call(rank, "write", h, arrays, last)
+        self.w.call(rank, "write", h, arrays, last, None)
         c = self.w.config
         rng = self.w.rng
         if "pause" in c.faults and rng.random() < 0.05 * (1 + last):
