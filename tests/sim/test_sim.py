@@ -120,18 +120,19 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     notifying=st.booleans(),
     fencing=st.booleans(),
     skip=st.sampled_from([0.0, 0.0, 0.5]),  # the share of decode ranks holding a prefix
+    layered=st.sampled_from([0.0, 0.0, 0.5]),  # the share of prefill ranks writing per layer
 )
 def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
     seed: int, prefill: int, stages: int, instances: int, decode: int, decodes: int,
     requests: int,
     faults: frozenset[str], heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
-    notifying: bool, fencing: bool, skip: float,
+    notifying: bool, fencing: bool, skip: float, layered: float,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, prefill_pp=stages, instances=instances, decode_tp=decode,
         decode_instances=decodes, requests=requests, faults=faults, heartbeat_s=heartbeat,
         dead_after_s=heartbeat * dead_after, staging=staging, staging_bytes=staging_bytes,
-        notifying=notifying, fencing=fencing, skip=skip,
+        notifying=notifying, fencing=fencing, skip=skip, layered=layered,
     )  # fmt: skip
     result = run(seed, config)
     assert result.violations == [], f"replay: run({seed}, {config})"

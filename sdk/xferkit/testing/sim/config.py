@@ -63,6 +63,7 @@ class Config:
     slice_bytes: int = 1 << 13
     groups: float = 0.5  # the share of requests naming the prefill instance by its group
     skip: float = 0.0  # the share whose decode holds a prefix of the KV pages (expect(skip=))
+    layered: float = 0.0  # the share whose prefill writes each chunk layer by layer
     notifying: bool = True  # the driver carries completions; False: ``Written`` on the socket
     fencing: bool = False  # decode drivers fence a lost source (``Capabilities.fencing``)
     max_unoffered: int = MAX_UNOFFERED  # the prefill's bound; small, a flood reaches it
@@ -77,8 +78,9 @@ class Config:
     max_steps: int = 200_000
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.skip <= 1.0:
-            raise ValueError(f"skip {self.skip}: a share, 0 to 1")
+        for name, share in (("skip", self.skip), ("layered", self.layered)):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name} {share}: a share, 0 to 1")
         if self.staging not in ("never", "auto", "always"):
             raise ValueError(f"staging {self.staging!r}: never, auto or always")
         for name, n in (("instances", self.instances), ("decode_instances", self.decode_instances)):

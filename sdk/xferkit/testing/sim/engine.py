@@ -21,7 +21,11 @@ import numpy as np
 
 from ...session.roster import GROUP
 from ...session.states import RequestError, State
+from ..models import gdn_hybrid
 from .hostile import PREFILL
+
+LAYERS = len({spec.layer for spec in gdn_hybrid()})
+"""The model's layers (the world's ``Reference``): a layer-wise chunk is written per group."""
 
 if TYPE_CHECKING:
     from .world import Rank, World
@@ -57,6 +61,7 @@ class Use:
     reused: bool = False
     decoy: bool = False  # fetched from the hostile prefill: decode ranks only, never written
     skip: int = 0  # the first KV pages the decode holds already: dst names only the rest
+    layers: list[list[int]] | None = None  # each chunk written per group of layers, in order
     sources: tuple[str, ...] = ()  # what the decode ranks name: the ranks, or their group
     prefill: list[str] = field(default_factory=list)  # the instance serving it
     decode: list[str] = field(default_factory=list)  # the instance fetching it
@@ -125,6 +130,10 @@ class Engine:
         chunks[-1]["state"] = src["state"]
         use = Use(len(self.uses) + 1, rid, src, dst, chunks, reused, prefill=ranks, decode=decode)
         use.skip = held
+        if c.layered and rng.random() < c.layered:  # drawn only when asked for, as the skip
+            order = rng.sample(range(LAYERS), LAYERS)
+            cuts = sorted(rng.sample(range(1, LAYERS), rng.randint(0, LAYERS - 1)))
+            use.layers = [order[a:b] for a, b in itertools.pairwise([0, *cuts, LAYERS])]
         grouped = rng.random() < self.w.config.groups
         use.sources = (f"{GROUP}{ranks[0]}",) if grouped else tuple(ranks)
         use.incs = {n: r.incarnation for n, r in self.w.ranks.items()}
@@ -203,21 +212,26 @@ class Engine:
         rank, h = got
         self.w.call(rank, "offer", h, use.rid)
         t = self.w.now
+        groups: list[list[int] | None] = [None] if use.layers is None else [*use.layers]
         for i, chunk in enumerate(use.chunks):
-            t += self.w.rng.uniform(0.0, 0.3)
-            self.w.at(t, self._write, h, chunk, i == len(use.chunks) - 1)
+            for j, layers in enumerate(groups):  # a forward pass: each chunk's layers in turn
+                t += self.w.rng.uniform(0.0, 0.3 / len(groups))
+                last = i == len(use.chunks) - 1 and j == len(groups) - 1
+                self.w.at(t, self._write, h, chunk, last, layers)
 
-    def _write(self, h: Handle, chunk: dict[str, list[int]], last: bool) -> None:
+    def _write(
+        self, h: Handle, chunk: dict[str, list[int]], last: bool, layers: list[int] | None = None
+    ) -> None:
         rank = self.w.ranks[h.rank]
         if rank.incarnation != h.inc or not rank.alive or rank.closing:
             return
         if rank.paused_until > self.w.now:
-            self.w.at(self.w.resumed(rank), self._write, h, chunk, last)
+            self.w.at(self.w.resumed(rank), self._write, h, chunk, last, layers)
             return
         if h.terminal:
             return  # an engine stops writing a request that ended (Session.write would raise)
         arrays = {p: np.asarray(s, dtype=np.int64) for p, s in chunk.items()}
-        self.w.call(rank, "write", h, arrays, last, None)
+        self.w.call(rank, "write", h, arrays, last, None if layers is None else frozenset(layers))
         c = self.w.config
         rng = self.w.rng
         if "pause" in c.faults and rng.random() < 0.05 * (1 + last):

@@ -22,7 +22,8 @@ from ...session.outgoing import Outgoing
 from ...session.pairs import Pairs
 from ...session.protocol import Protocol
 from ...session.roster import Roster
-from ...session.sends import Dst, Ledger
+from ...session.sends import Dst, Ledger, Span
+from ...session.unpacking import Unpacker
 from . import run
 from .config import FAULTS, Config
 from .invariants import Violation
@@ -305,6 +306,20 @@ MUTATIONS = (
         (Edit(Dst, "take", "left = self._skipping(pool, ratio)", "left = 0"),),
         faults=frozenset(),  # its requests fail at plan rather than land shifted: invariant 8
         config=(("skip", 0.5),),
+    ),
+    Mutation(
+        "layers-never-counted",
+        "a classic: a layer-wise chunk's later layers are not counted, so it never completes",
+        (Edit(Span, "more", "self.left = self.left - layers", "pass"),),
+        faults=frozenset(),
+        config=(("layered", 1.0),),
+    ),
+    Mutation(
+        "unpacked-for-every-layer",
+        "a classic: the decode rank cuts a layer-wise round from every layer's regions",
+        (Edit(Unpacker, "_inbound", "layers=layers,", "layers=None,"),),
+        faults=frozenset(),
+        config=(("layered", 1.0), ("staging", "always")),
     ),
 )
 
