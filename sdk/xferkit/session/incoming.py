@@ -102,6 +102,7 @@ class Incoming:
                 )
             if u.staged is not None:
                 src.offer = self.unpacker.offer(u.staged, rec.slots)
+        self.unpacker.fit(rec.needed.values())
         if not any(src.offer for src in rec.needed.values()):
             self._request(rec)  # no staging to wait for (nor behind others that wait)
             return

@@ -21,7 +21,7 @@ from ..staging import StagedPlan
 from . import wire
 from .core import Settings
 from .pairs import Up
-from .rounds import Inbound, aligned
+from .rounds import ALIGN, Inbound, aligned
 
 
 class Source:
@@ -57,6 +57,17 @@ class Unpacker:
         pools = [p for p in slots if staged.unpacks([p])]
         need = sum(self._slot_bytes.get(p, 0) * slots[p].size for p in pools)
         return min(2 * aligned(need), self.s.arena.slice_bytes) if need else 0
+
+    def fit(self, sources: Iterable[Source]) -> None:
+        """Shrink the sources' offers so that a request's pieces fit the staging together:
+        otherwise, with nothing else in flight, it would wait for them until its deadline
+        (TP 4 -> 1 on a small arena did). A smaller piece means more rounds; one too small
+        for a slot of a region makes its source go direct."""
+        offering = [src for src in sources if src.offer]
+        if offering and sum(src.offer for src in offering) > self.s.arena.size:
+            share = self.s.arena.size // len(offering) // (2 * ALIGN) * (2 * ALIGN)
+            for src in offering:
+                src.offer = min(src.offer, share)
 
     def take(self, sources: Iterable[Source]) -> bool:
         """A piece for every source offered one, or none of them (given back) and False."""
