@@ -412,7 +412,9 @@ class XferkitConnector:
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
         """Nothing per layer: a request is written whole, every layer in one plan, once it
-        finished (``request_finished``); a Session has no write of one layer's share."""
+        finished (``request_finished``), as vLLM's NIXL connector hands it over. A Send can
+        write one layer's share (``write(layers=)``), but which requests end their prefill
+        in this step is the scheduler's to say first (docs/engine.md)."""
         self._layer(layer_name, "save_kv_layer")
 
     def wait_for_save(self) -> None:
