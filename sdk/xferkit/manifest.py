@@ -356,6 +356,12 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
         return frozenset(d.key for d in self.dropped)
 
     @cached_property
+    def layers(self) -> frozenset[int]:
+        """Every layer id this rank holds a region of, kept or dropped (a layer-wise write
+        may name any of them)."""
+        return frozenset(r.layer for r in self.regions) | {k[2] for k in self.dropped_keys}
+
+    @cached_property
     def _index(self) -> dict[RegionKey, int]:
         return {k: i for i, k in enumerate(self.keys)}
 

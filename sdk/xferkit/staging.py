@@ -149,6 +149,7 @@ class StagedPlan:
         """The direct and staged groups with only the regions of ``layers`` (None: all)."""
         if layers is None:
             return self._direct, self._staged
+        expect(layers, frozenset, "StagedPlan.expand(layers=) (a frozenset of layer ids)")
         got = self._layered.get(layers)
         if got is None:
             if len(self._layered) >= LAYER_SETS:

@@ -29,8 +29,7 @@ def check_layers(layers: object, manifest: Manifest, what: str) -> frozenset[int
         out.add(layer)
     if not out:
         raise ArgumentError(f"{what}: layers names no layer (leave it out to write them all)")
-    held = {r.layer for r in manifest.regions} | {k[2] for k in manifest.dropped_keys}
-    unknown = sorted(out - held)
+    unknown = sorted(out - manifest.layers)  # computed once per manifest
     if unknown:
         raise ArgumentError(f"{what}: layers {unknown[:8]} are not in this rank's manifest")
     return frozenset(out)

@@ -91,7 +91,8 @@ class Dst:
         self.slots = slots
         self.cursor = dict.fromkeys(self.slots, 0)
         self.spans: dict[str, Span] = {}  # pool -> the layer-wise chunk whose layers still come
-        self.skip: dict[str, int] = dict(msg.skip)  # destination slots held: see skipping()
+        self.held = msg.skip  # pool -> destination slots the decode rank holds already
+        self.dropping: dict[str, int] = {}  # pool -> source slots still to drop for them
         self.seq = 0  # writes posted
         self.planned = 0  # writes posted or still to post (staged rounds): the total, once last
         self.last = False
@@ -136,7 +137,7 @@ class Dst:
                 return left
             if left:  # the first source slots fill what the destination holds already
                 drop = min(left, src.size)
-                src, self.skip[pool] = src[drop:], drop - left
+                src, self.dropping[pool] = src[drop:], left - drop
                 if not src.size:  # all of it held there: so are the chunk's other layers
                     if layers is not None and not owed <= layers:
                         self.spans[pool] = Span(raw, None, None, owed, layers)
@@ -178,14 +179,11 @@ class Dst:
         return request, spans
 
     def _skipping(self, pool: str, pages: tuple[int, int]) -> int | str:
-        """Source slots of ``pool`` still to skip, or why the skip cannot be honoured.
-
-        ``skip`` holds the Request's count of destination slots (>= 0) until the first chunk
-        naming the pool turns it into source slots still to skip (stored negated, <= 0).
-        """
-        n = self.skip.get(pool, 0)
-        if n <= 0:
-            return -n
+        """Source slots of ``pool`` still to drop for the destination slots held there, or
+        why the skip cannot be honoured (worked out at the pool's first chunk)."""
+        if pool in self.dropping:
+            return self.dropping[pool]
+        n = self.held.get(pool, 0)
         ks, kd = pages
         if n * kd % ks:
             return (
@@ -193,7 +191,8 @@ class Dst:
                 f"already, which end inside a source slot (a source slot holds {ks} pages, a "
                 f"destination slot {kd}): skip a whole number of source slots"
             )
-        return n * kd // ks
+        self.dropping[pool] = n * kd // ks
+        return self.dropping[pool]
 
 
 def _dst_count(n: int, pages: tuple[int, int], last: bool) -> tuple[int, str]:
