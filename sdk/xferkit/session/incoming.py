@@ -50,10 +50,11 @@ class Incoming:
 
     def expect(
         self, handle: object, rid: str, spec: tuple[str, ...], slots: dict, registration: int,
-        now: float,
+        skip: dict[str, int], now: float,
     ) -> Recv:  # fmt: skip
         self.gen += 1
-        rec = Recv(handle, rid, self.gen, spec, slots, registration, now + self.s.request_timeout_s)
+        deadline = now + self.s.request_timeout_s
+        rec = Recv(handle, rid, self.gen, spec, slots, registration, deadline, skip)
         self.recvs[rid] = rec
         return rec
 

@@ -72,8 +72,7 @@ class Protocol:
         registration: int, skip: dict[str, int], now: float,
     ) -> list[act.Action]:  # fmt: skip
         self._enter(now)
-        rec = self.incoming.expect(handle, rid, spec, slots, registration, now)
-        rec.skip = skip
+        rec = self.incoming.expect(handle, rid, spec, slots, registration, skip, now)
         self.sources.resolve(rec, now)
         return self.out.take()
 

@@ -15,7 +15,7 @@ class Recv:
 
     def __init__(
         self, handle: object, rid: str, gen: int, spec: tuple[str, ...], slots: dict,
-        registration: int, deadline: float,
+        registration: int, deadline: float, skip: dict[str, int],
     ) -> None:  # fmt: skip
         self.handle = handle
         self.rid = rid
@@ -23,7 +23,7 @@ class Recv:
         self.spec = spec  # as given to expect: session or group addresses
         self.sources: tuple[str, ...] = ()  # every source rank's session address, once resolved
         self.slots: dict[str, np.ndarray] = slots
-        self.skip: dict[str, int] = {}  # destination slots of a pool held already (a prefix)
+        self.skip = skip  # destination slots of a pool held already (a prefix cache)
         self.registration = registration
         self.deadline = deadline
         self.needed: dict[str, Source] = {}
