@@ -413,8 +413,13 @@ UNFENCED = {
     ("nixl", "never", "restart-prefill"): NO_FENCE
     + "40,393 B in slots 28-33 after FAILED in 1 run of 6 (0 in the others): what the killed "
     "prefill's kernel still sent, written by the decode's UCX. Not strict: it passes mostly",
+    ("nixl", "never", "crawl"): NO_FENCE
+    + "5.92 MB in slots 0-47 after the decode's 15 s drain bound in 1 fresh-clone run (0 in "
+    "every earlier one): the prefill's cancelled transfer still in its kernel's socket "
+    "buffers, delivered at 8 kbit/s and written by the decode's UCX. Not strict: it passes "
+    "mostly",
 }
-SOMETIMES = {("nixl", "never", "restart-prefill")}
+SOMETIMES = {("nixl", "never", "restart-prefill"), ("nixl", "never", "crawl")}
 
 
 def _param(driver: str, staging: str, fault: str) -> Any:
