@@ -46,17 +46,19 @@ class QueuedBatch(Posted):
     ``descs``: the checked ``Descriptors`` to move, or None for a notification sent alone.
     ``notify``: the message to deliver after the data, or None. ``cancelled``: set when the
     core released the batch; ``execute`` reads it to stop a running batch early.
-    ``finished``: an event set by ``end``.
     """
 
-    __slots__ = ("_error", "_status", "cancelled", "descs", "finished", "notify")
+    __slots__ = ("_ended", "_error", "_status", "cancelled", "descs", "notify")
 
     def __init__(self, descs: Descriptors | None, notify: bytes | None) -> None:
         self.descs, self.notify = descs, notify
         self._status = Status.PENDING
         self._error = ""
         self.cancelled = False
-        self.finished = threading.Event()
+        # Held until ``end``: a lock costs a twentieth of an Event (a Condition built in Python),
+        # and one is made for every small write on the control thread's path.
+        self._ended = threading.Lock()
+        self._ended.acquire()
 
     def poll(self) -> Status:
         return self._status
@@ -66,19 +68,22 @@ class QueuedBatch(Posted):
         return self._error
 
     def block(self, timeout: float) -> None:
-        self.finished.wait(timeout)
+        if self._ended.acquire(timeout=max(timeout, 0.0)):
+            self._ended.release()  # the next waiter passes too
 
     def release(self) -> None:
         """Abort: a batch still queued is dropped; one running sees ``cancelled`` and may stop."""
         self.cancelled = True
 
     def end(self, error: str | None = None) -> None:
-        """Record the outcome (None: done) and wake whoever waits."""
+        """Record the outcome (None: done) and wake whoever waits; the first outcome stays."""
+        if self._status is not Status.PENDING:
+            return
         if error is None:
             self._status = Status.DONE
         else:
             self._error, self._status = error, Status.FAILED
-        self.finished.set()
+        self._ended.release()
 
 
 B = TypeVar("B", bound="QueuedBatch")

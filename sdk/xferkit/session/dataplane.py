@@ -37,11 +37,15 @@ millisecond), far below any heartbeat, and a hand-over to the worker would cost 
 switches on the hot path. Larger posts, and every poll, run on the worker."""
 
 INLINE_S = 5e-4
+SLOW_POSTS = 3
 SLOW_S = 1.0
-"""An inline post that took longer than ``INLINE_S`` (a driver that moves the bytes inside its
-post, as NIXL on host memory does) sends the posts of the next ``SLOW_S`` to the worker: under
-load a backlog of such posts on the control thread delayed the heartbeats behind it by
-seconds, and a decode rank declared its live prefill rank lost."""
+"""``SLOW_POSTS`` inline posts in a row that each took longer than ``INLINE_S`` (a driver that
+moves the bytes inside its post, as NIXL on host memory does) send the posts of the next
+``SLOW_S`` to the worker: under load a backlog of such posts on the control thread delayed the
+heartbeats behind it by seconds, and a decode rank declared its live prefill rank lost.
+Several in a row, because a single post slowed by a preemption or a garbage collection sent a
+second of loopback posts through the worker's hop (a third of the one-page posts of
+``bench_session.py``)."""
 
 STALL_S = 0.05
 """A wait that overran by more than this counts as the process having been stopped."""
@@ -73,6 +77,7 @@ class DataPlane:
         self._posted = False  # a post was made since the last poll
         self._awake_until = 0.0  # polling every POLL_S until then, even with nothing in flight
         self._slow_until = 0.0  # posts go to the worker until then (see INLINE_S)
+        self._slow_posts = 0  # inline posts in a row that took more than INLINE_S
         self._stall = (0.0, 0.0)  # the last time this worker was stopped: (since, for how long)
         self._last: Transfer | None = None  # the last write posted on the caller's thread
         self.behind = False  # that write was still running when the next one was made
@@ -96,8 +101,12 @@ class DataPlane:
             return
         last = self._last
         self._do(action)
-        if time.monotonic() - now > INLINE_S:  # this driver works inside its post
-            self._slow_until = time.monotonic() + SLOW_S
+        if time.monotonic() - now <= INLINE_S:
+            self._slow_posts = 0
+        elif (slow := self._slow_posts + 1) < SLOW_POSTS:
+            self._slow_posts = slow
+        else:  # this driver works inside its post
+            self._slow_posts, self._slow_until = 0, time.monotonic() + SLOW_S
         self._last = self._inflight.get(action.wid)
         if last is not None and last.poll() is Status.PENDING:
             self.behind = True  # the driver has not caught up: its threads need the GIL
