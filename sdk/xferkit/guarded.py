@@ -9,6 +9,8 @@ fails, naming the peer, and releases its batches as for any failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .errors import TransferError
 from .posted import Posted, Status
 
@@ -71,6 +73,15 @@ class Guarded(Posted):
             self.inner.block(timeout)
         except Exception as exc:
             self._break(f"Posted.block() raised {type(exc).__name__}: {exc}", exc)
+
+    def on_end(self, wake: Callable[[], None]) -> bool:
+        if self._broken is not None:
+            wake()
+            return True
+        try:
+            return self.inner.on_end(wake) is True
+        except Exception:  # a broken hook: polled, as for a driver without one
+            return False
 
 
 def _shown(value: object) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 
 class Status(enum.Enum):
@@ -47,6 +48,16 @@ class Posted(ABC):
         Drivers that can block on completion override this; the default naps.
         """
         time.sleep(min(timeout, 5e-5))
+
+    def on_end(self, wake: Callable[[], None]) -> bool:
+        """Call ``wake`` (from any thread, perhaps more than once) when this batch ends, or at
+        once if it has; False when the driver cannot, and its caller must poll.
+
+        Drivers whose own thread learns of the end override this (``QueuedBatch`` does): the
+        Session's data plane then sleeps until a write ends instead of polling it every
+        millisecond, which costs the GIL the driver's threads need.
+        """
+        return False
 
 
 class Done(Posted):

@@ -92,6 +92,8 @@ class Transfer:
         self._timeout = timeout
         self._lock = threading.RLock()
         self._keepalive: object = None  # memory a closed backend could not release yet
+        self._wake: Callable[[], None] | None = None  # told when a batch ends (``wake_on_end``)
+        self.wakes = False  # every batch posted so far calls ``_wake`` when it ends
         with self._lock:
             self._advance()
 
@@ -108,6 +110,20 @@ class Transfer:
     def phase(self) -> Phase:
         """Where the write is: ``Status`` is derived from it (``poll`` advances it)."""
         return self._phase
+
+    def wake_on_end(self, wake: Callable[[], None]) -> bool:
+        """Have ``wake`` called (from a driver's thread) whenever a batch of this write ends,
+        so that a poll then moves it on; False, and ``wakes`` stays False, when a driver's
+        batch cannot say so (it must be polled). Terminal already: called at once."""
+        with self._lock:
+            self._wake = wake
+            if STATUS[self._phase] is not Status.PENDING:
+                wake()
+                self.wakes = True
+                return True
+            live = self._running if self._phase is Phase.SENDING else self._posted
+            self.wakes = all(p.on_end(wake) for p in live)
+            return self.wakes
 
     def poll(self) -> Status:
         if self._phase is Phase.SENDING or self._phase is Phase.FAILING:
@@ -185,6 +201,8 @@ class Transfer:
             self.post_s += time.monotonic() - began
         self._posted.append(posted)
         self._running.append(posted)
+        if self._wake is not None and not posted.on_end(self._wake):
+            self.wakes = False
 
     def _advance(self) -> None:
         if self._phase is Phase.SENDING:

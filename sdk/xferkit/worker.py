@@ -48,7 +48,7 @@ class QueuedBatch(Posted):
     core released the batch; ``execute`` reads it to stop a running batch early.
     """
 
-    __slots__ = ("_ended", "_error", "_status", "cancelled", "descs", "notify")
+    __slots__ = ("_ended", "_error", "_status", "_wake", "cancelled", "descs", "notify")
 
     def __init__(self, descs: Descriptors | None, notify: bytes | None) -> None:
         self.descs, self.notify = descs, notify
@@ -59,6 +59,7 @@ class QueuedBatch(Posted):
         # and one is made for every small write on the control thread's path.
         self._ended = threading.Lock()
         self._ended.acquire()
+        self._wake: Callable[[], None] | None = None
 
     def poll(self) -> Status:
         return self._status
@@ -70,6 +71,12 @@ class QueuedBatch(Posted):
     def block(self, timeout: float) -> None:
         if self._ended.acquire(timeout=max(timeout, 0.0)):
             self._ended.release()  # the next waiter passes too
+
+    def on_end(self, wake: Callable[[], None]) -> bool:
+        self._wake = wake
+        if self._status is not Status.PENDING:  # ended before the hook was set: said now
+            wake()
+        return True
 
     def release(self) -> None:
         """Abort: a batch still queued is dropped; one running sees ``cancelled`` and may stop."""
@@ -84,6 +91,9 @@ class QueuedBatch(Posted):
         else:
             self._error, self._status = error, Status.FAILED
         self._ended.release()
+        wake = self._wake  # read after the status: a hook set meanwhile calls itself
+        if wake is not None:
+            wake()
 
 
 B = TypeVar("B", bound="QueuedBatch")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -10,12 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mock_pairs import WAIT_S, buffer, descs, drain, manifest, mock_pair, posted
+from mock_pairs import WAIT_S, Pair, buffer, descs, drain, manifest, mock_pair, posted
 
 import xferkit as xk
 from xferkit import Status, TransferError, XferError
 from xferkit.driver import Posted
 from xferkit.testing.mock import STALL, Call, MockDriver
+from xferkit.testing.pairs import connected_pair
 from xferkit.transfer import STATUS, Phase
 
 
@@ -224,3 +226,50 @@ def test_phases_run_sending_failing_failed_and_status_follows(notify: bytes | No
         t = pair.a.write(pair.peer, pair.descs(3, 64)[0], notify=notify)
         t.wait(WAIT_S)
         assert t.phase is Phase.DONE and t.poll() is Status.DONE
+
+
+# -- a driver that says when a batch ended (Posted.on_end) ------------------------------------
+
+
+def test_a_write_wakes_its_caller_as_its_batches_end_on_a_driver_that_says_so() -> None:
+    """The loopback's batches end on its worker thread, which calls the hook: the Session's
+    data plane sleeps until then instead of polling every millisecond."""
+    loopback = functools.partial(xk.open_backend, "loopback", max_batch=2)
+    with connected_pair(loopback, [buffer(4096, 1)], [buffer(4096, 2)]) as p:
+        pair = Pair(p.a, p.b, p.srcs, p.dsts, p.peer, p.endpoint)
+        d, want = pair.descs(6, 64)  # 3 batches, the notification on the last
+        woken = threading.Event()
+        t = pair.a.write(pair.peer, d, notify=b"done")
+        assert t.wake_on_end(woken.set) is True and t.wakes
+        while t.poll() is Status.PENDING:  # each wake-up moves it on: the next batches go
+            assert woken.wait(WAIT_S), "a batch ended and nobody was told"
+            woken.clear()
+        assert t.poll() is Status.DONE and np.array_equal(pair.dst, want)
+        ended = threading.Event()
+        assert t.wake_on_end(ended.set) is True and ended.is_set()  # ended already: at once
+
+
+def test_a_write_on_a_driver_without_the_hook_says_it_must_be_polled() -> None:
+    with mock_pair(_stalling) as pair:
+        t = pair.a.write(pair.peer, pair.descs(1, 64)[0])
+        called: list[int] = []
+        assert t.wake_on_end(lambda: called.append(1)) is False and not t.wakes
+        t.abort()
+        assert t.poll() is Status.FAILED and called == []
+
+
+def test_a_hook_that_raises_counts_as_none() -> None:
+    class Raising(Posted):
+        def poll(self) -> Status:
+            return Status.PENDING
+
+        @property
+        def error(self) -> str:
+            return ""
+
+        def on_end(self, wake: Any) -> bool:
+            raise RuntimeError("driver bug")
+
+    from xferkit.guarded import guard
+
+    assert guard("drv", "post", Raising()).on_end(lambda: None) is False

@@ -222,6 +222,50 @@ def test_only_posts_slow_in_a_row_go_to_the_data_plane_worker(slow: int) -> None
     assert where == ["inline"] * 6 if slow == 1 else ["inline"] * 3 + ["worker"] * 3, threads
 
 
+def test_a_stalled_write_is_not_polled_every_millisecond_when_its_driver_wakes_us(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loopback says when a batch ends (``Posted.on_end``): while its write is stalled
+    the data plane polls it only every ``dataplane.CHECK_S`` (its deadline), and the abort's
+    end wakes it at once. Before, it polled every 1-4 ms: the GIL taken from the driver's
+    threads and the control thread hundreds of times a second per write in flight."""
+    import xferkit as xk
+    from xferkit.transfer import Transfer
+    from xferkit_loopback import Faults
+
+    polls = [0]
+    poll = Transfer.poll
+
+    def counted(self: Transfer) -> Status:
+        polls[0] += 1
+        return poll(self)
+
+    monkeypatch.setattr(Transfer, "poll", counted)
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
+    stuck = xk.open_backend("loopback", faults=Faults(stall_post_at=1))
+    pre = Session(stuck, ref.srcs[0].manifest)
+    dec = Session(xk.open_backend("loopback"), ref.dsts[0].manifest)
+    try:
+        recv = dec.expect("r", pre.address, {"kv": [2]})
+        send = pre.offer("r")
+        send.write({"kv": [1]}, last=True)
+        limit = time.monotonic() + 10
+        while send.poll() is not State.TRANSFERRING:
+            assert time.monotonic() < limit, send.poll()
+            time.sleep(0.01)
+        before = polls[0]
+        time.sleep(1.0)  # the write stays in the driver
+        stalled = polls[0] - before
+        recv.abort(10)
+        with pytest.raises(XferError):
+            send.wait(10)
+        assert send.poll() is State.FAILED and recv.poll() is State.FAILED
+    finally:
+        pre.close()
+        dec.close()
+    assert stalled < 100, f"{stalled} polls in 1 s of a stalled write"
+
+
 def test_a_burst_of_slow_commands_never_silences_the_heartbeats() -> None:
     """Under 200 concurrent requests on a starved CPU, each command took milliseconds and the
     control thread ran the whole burst before it read a Ping again: for seconds no Pong went

@@ -5,6 +5,8 @@ never on the control thread, so that no driver call (NIXL copies host memory
 inside its post) can delay a heartbeat; a small post (``INLINE_BYTES``) of a
 driver whose posts are quick (``INLINE_S``) goes out at once from the control
 thread when nothing waits here, as a hand-over would cost more than the post.
+A driver that says when a batch ends (``Posted.on_end``: the loopback, Mooncake)
+wakes the worker then; others' writes are polled every ``POLL_S``.
 Each action comes from the protocol core; each result goes back to it through
 ``report`` (the shell's event queue): ``("connected", ident, peer, generation,
 error)``, ``("fenced", source, error, new endpoint)``, ``("write_ended", wid,
@@ -56,9 +58,13 @@ inline meanwhile needs no wake-up (which would take the GIL from the driver's th
 as they move its bytes)."""
 
 POLL_S = 1e-3
-"""How often writes in flight are polled (no driver can wake us when one ends); at most that
-often, however many actions arrive: polling every write after every post made a burst of
-requests quadratic."""
+"""How often writes in flight are polled when their driver cannot wake us as one ends
+(``Posted.on_end``); at most that often, however many actions arrive: polling every write
+after every post made a burst of requests quadratic."""
+
+CHECK_S = 0.05
+"""How often writes whose driver wakes us as they end are polled all the same: for their
+deadlines, and for an abort's drain."""
 
 
 class DataPlane:
@@ -72,6 +78,9 @@ class DataPlane:
         self._queue: deque[act.Action] = deque()
         self._cond = threading.Condition()
         self._inflight: dict[int, Transfer] = {}
+        self._polled: set[int] = set()  # writes in flight whose driver cannot wake us
+        self._kicked = False  # a driver said a write ended: poll now
+        self._wakes = False  # the last write posted wakes us as it ends
         self._cancelled: dict[int, float] = {}  # wid -> when we stop waiting for the driver
         self._stopping = False
         self._posted = False  # a post was made since the last poll
@@ -110,9 +119,15 @@ class DataPlane:
         self._last = self._inflight.get(action.wid)
         if last is not None and last.poll() is Status.PENDING:
             self.behind = True  # the driver has not caught up: its threads need the GIL
-        if idle:  # it sleeps long: wake it (while awake it polls every POLL_S anyway)
+        if idle and not self._wakes:  # it sleeps long: wake it (awake, it polls every POLL_S)
             with self._cond:
                 self._cond.notify()
+
+    def _kick(self) -> None:
+        """A write's driver says a batch of it ended (on the driver's thread)."""
+        with self._cond:
+            self._kicked = True
+            self._cond.notify()
 
     @property
     def backlog(self) -> bool:
@@ -134,12 +149,12 @@ class DataPlane:
         poll_at = 0.0
         while True:
             with self._cond:
-                if not self._queue:
+                if not self._queue and not self._kicked:
                     if self._stopping and not self._inflight:
                         return
                     now = time.monotonic()
-                    if self._inflight:
-                        left = poll_at - now
+                    if self._inflight:  # those that wake us are polled for deadlines only
+                        left = (poll_at if self._polled else poll_at + CHECK_S) - now
                     else:  # just after work: wake often, so a write posted inline is seen soon
                         left = POLL_S if now < self._awake_until else 0.05
                     if left > 0:
@@ -150,15 +165,17 @@ class DataPlane:
                             self._stall = (asleep, over)
                 todo = list(self._queue)
                 self._queue.clear()
+                kicked, self._kicked = self._kicked, False
             for action in todo:
                 try:
                     self._do(action)
                 except Exception:  # a bug: logged, and the loop goes on
                     log.exception("data plane: %s failed", type(action).__name__)
             now = time.monotonic()
-            if self._inflight or todo:
+            if self._polled or (todo and not self._wakes):
                 self._awake_until = now + AWAKE_S
-            if self._inflight and now >= poll_at:
+            due = poll_at if self._polled else poll_at + CHECK_S
+            if self._inflight and (kicked or now >= due):
                 # While posts keep coming, poll a quarter as often: polling every write costs
                 # the GIL the driver's own threads need to move the bytes. The pause counts
                 # from the end of a poll (one of a write split in thousands of batches takes
@@ -188,8 +205,13 @@ class DataPlane:
             except XferError as exc:
                 self.report(("write_ended", action.wid, str(exc)))
                 return
-            with self._cond:
+            with self._cond:  # polled until its driver says it will wake us
                 self._inflight[action.wid] = t
+                self._polled.add(action.wid)
+            self._wakes = t.wake_on_end(self._kick)
+            if self._wakes:
+                with self._cond:
+                    self._polled.discard(action.wid)
             self._posted = True
         elif isinstance(action, act.Cancel):
             pending = self._inflight.get(action.wid)
@@ -234,6 +256,7 @@ class DataPlane:
                 continue
             with self._cond:
                 del self._inflight[wid]
+                self._polled.discard(wid)
             self._cancelled.pop(wid, None)
             ended.append((wid, "" if st is Status.DONE else str(t.error), t.post_s))
         if ended:  # one event for the poll: one wake-up, one pass of the core
