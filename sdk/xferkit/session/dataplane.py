@@ -18,10 +18,11 @@ a wait that overran).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..backend import Backend
@@ -79,7 +80,7 @@ class DataPlane:
         self._cond = threading.Condition()
         self._inflight: dict[int, Transfer] = {}
         self._polled: set[int] = set()  # writes in flight whose driver cannot wake us
-        self._kicked = False  # a driver said a write ended: poll now
+        self._kicked: set[int] = set()  # writes whose driver said a batch ended: poll now
         self._wakes = False  # the last write posted wakes us as it ends
         self._cancelled: dict[int, float] = {}  # wid -> when we stop waiting for the driver
         self._stopping = False
@@ -123,10 +124,10 @@ class DataPlane:
             with self._cond:
                 self._cond.notify()
 
-    def _kick(self) -> None:
-        """A write's driver says a batch of it ended (on the driver's thread)."""
+    def _kick(self, wid: int) -> None:
+        """Write ``wid``'s driver says a batch of it ended (on the driver's thread)."""
         with self._cond:
-            self._kicked = True
+            self._kicked.add(wid)
             self._cond.notify()
 
     @property
@@ -165,7 +166,7 @@ class DataPlane:
                             self._stall = (asleep, over)
                 todo = list(self._queue)
                 self._queue.clear()
-                kicked, self._kicked = self._kicked, False
+                kicked, self._kicked = self._kicked, set()
             for action in todo:
                 try:
                     self._do(action)
@@ -175,15 +176,17 @@ class DataPlane:
             if self._polled or (todo and not self._wakes):
                 self._awake_until = now + AWAKE_S
             due = poll_at if self._polled else poll_at + CHECK_S
-            if self._inflight and (kicked or now >= due):
+            if self._inflight and now >= due:
                 # While posts keep coming, poll a quarter as often: polling every write costs
                 # the GIL the driver's own threads need to move the bytes. The pause counts
                 # from the end of a poll (one of a write split in thousands of batches takes
                 # milliseconds: counted from its start, the worker polled without pause).
                 every = 4 * POLL_S if self._posted else POLL_S
                 self._posted = False
-                self._poll()
+                self._poll(self._inflight)
                 poll_at = time.monotonic() + every
+            elif kicked:  # only those: polling all 64 of a burst as each ends was quadratic
+                self._poll(kicked)
 
     def _do(self, action: act.Action) -> None:
         if isinstance(action, act.Post):
@@ -208,7 +211,7 @@ class DataPlane:
             with self._cond:  # polled until its driver says it will wake us
                 self._inflight[action.wid] = t
                 self._polled.add(action.wid)
-            self._wakes = t.wake_on_end(self._kick)
+            self._wakes = t.wake_on_end(functools.partial(self._kick, action.wid))
             if self._wakes:
                 with self._cond:
                     self._polled.discard(action.wid)
@@ -241,10 +244,10 @@ class DataPlane:
             except XferError as exc:
                 log.warning("data plane: disconnecting %s: %s", action.peer, exc)
 
-    def _poll(self) -> None:
+    def _poll(self, wids: Iterable[int]) -> None:
         now = time.monotonic()
         with self._cond:
-            inflight = list(self._inflight.items())
+            inflight = [(w, t) for w in list(wids) if (t := self._inflight.get(w)) is not None]
         ended: list[tuple[int, str, float]] = []
         for wid, t in inflight:
             st = t.poll()
