@@ -54,8 +54,10 @@ class Posted(ABC):
         once if it has; False when the driver cannot, and its caller must poll.
 
         Drivers whose own thread learns of the end override this (``QueuedBatch`` does): the
-        Session's data plane then sleeps until a write ends instead of polling it every
-        millisecond, which costs the GIL the driver's threads need.
+        Session then polls the write on its control thread when it ends instead of polling
+        every write every millisecond on its worker, which costs the GIL the driver's threads
+        need; such a driver's ``poll`` must read a status, and its posts hand over to its own
+        thread (slow ones send its calls back to the worker).
         """
         return False
 

@@ -88,7 +88,8 @@ class Transfer:
         self._running: list[Posted] = []  # posted, not yet seen DONE
         self._released = 0  # posted[:released] were released
         self._phase = Phase.SENDING
-        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self.posted_at = time.monotonic()
+        self._deadline = None if timeout is None else self.posted_at + timeout
         self._timeout = timeout
         self._lock = threading.RLock()
         self._keepalive: object = None  # memory a closed backend could not release yet

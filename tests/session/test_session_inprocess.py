@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from xferkit import Backend, Manifest, Status, XferError
+from xferkit import Backend, Descriptors, Manifest, Status, XferError
+from xferkit.driver import BatchWorker, Posted, QueuedBatch
 from xferkit.session import RequestError, Session, State
 from xferkit.testing import Reference, RegionSpec, gdn_hybrid
 from xferkit.testing.mock import STALL, Call, MockDriver
@@ -220,6 +222,76 @@ def test_only_posts_slow_in_a_row_go_to_the_data_plane_worker(slow: int) -> None
         dec.close()
     where = ["worker" if t.startswith("xferkit-data-") else "inline" for t in threads]
     assert where == ["inline"] * 6 if slow == 1 else ["inline"] * 3 + ["worker"] * 3, threads
+
+
+class _Seen(QueuedBatch):
+    """A batch that records which thread polled it and what it read."""
+
+    def __init__(self, descs: Descriptors | None, notify: bytes | None, link: str) -> None:
+        super().__init__(descs, notify)
+        self.link = link
+        self.polls: list[tuple[str, Status]] = []
+
+    def poll(self) -> Status:
+        st = super().poll()
+        self.polls.append((threading.current_thread().name, st))
+        return st
+
+
+class _Waking(MockDriver):
+    """The mock's copies on a worker thread of its own, whose batches wake their poller
+    (``Posted.on_end``, as the loopback's and Mooncake's do); the first ``slow`` posts take
+    5 ms inside the call."""
+
+    def __init__(self, slow: int = 0) -> None:
+        super().__init__()
+        self.slow = slow
+        self.batches: list[_Seen] = []
+        self._worker: BatchWorker[_Seen] = BatchWorker(self._run, "test-waking")
+
+    def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
+        if len(self.batches) < self.slow:
+            time.sleep(0.005)
+        batch = _Seen(descs, notify, link)
+        self.batches.append(batch)
+        self._worker.post(batch)
+        return batch
+
+    def _run(self, batch: _Seen) -> str | None:
+        done = self._fate("post", batch.link, batch.descs, batch.notify)
+        return None if done.poll() is Status.DONE else done.error
+
+    def close(self) -> None:
+        self._worker.stop()
+        super().close()
+
+
+@pytest.mark.parametrize("slow", [0, 4])
+def test_a_write_whose_driver_wakes_us_is_polled_on_the_control_thread(slow: int) -> None:
+    """When its driver says a write ended, the control thread polls it (such a poll reads a
+    status): before, the data-plane worker was woken to poll it and report, two thread
+    hand-overs per write, a twelfth of bench_session.py's pipelined one-page rate. A driver
+    whose calls turn slow (``dataplane.SLOW_POSTS`` in a row) has the worker poll them."""
+    driver = _Waking(slow)
+    _, pre, dec = _pair(driver, MockDriver())
+    try:
+        for i in range(6):
+            recv = dec.expect(f"r{i}", pre.address, {"kv": [1]})
+            send = pre.offer(f"r{i}")
+            send.write({"kv": [2]}, last=True)
+            assert recv.wait(10) is State.DONE and send.wait(10) is State.DONE
+    finally:
+        pre.close()
+        dec.close()
+    assert len(driver.batches) == 6
+    for n, batch in enumerate(driver.batches):
+        ended = {name.split("-")[1] for name, st in batch.polls if st is Status.DONE}
+        # The first post may wait for the worker (behind the Connect): its 5 ms are not
+        # counted, so slow inline posts in a row begin with the first or the second.
+        if slow and n >= slow:  # posted, and polled, by the worker
+            assert ended == {"data"}, (n, batch.polls)
+        elif not slow and n:
+            assert ended == {"session"}, (n, batch.polls)
 
 
 def test_a_stalled_write_is_not_polled_every_millisecond_when_its_driver_wakes_us(

@@ -6,14 +6,16 @@ inside its post) can delay a heartbeat; a small post (``INLINE_BYTES``) of a
 driver whose posts are quick (``INLINE_S``) goes out at once from the control
 thread when nothing waits here, as a hand-over would cost more than the post.
 A driver that says when a batch ends (``Posted.on_end``: the loopback, Mooncake)
-wakes the worker then; others' writes are polled every ``POLL_S``.
+has the control thread poll that write then (``poll_kicked``: its poll reads a
+status), unless its calls turned slow; others' writes are polled here every
+``POLL_S``, and every write every ``CHECK_S`` for its deadline.
 Each action comes from the protocol core; each result goes back to it through
 ``report`` (the shell's event queue): ``("connected", ident, peer, generation,
 error)``, ``("fenced", source, error, new endpoint)``, ``("write_ended", wid,
-error)`` and, for a poll, ``("writes_ended", [(wid, error, seconds inside the
-driver's post), ...])``. A post still queued when this process was stopped for
-longer than its ``horizon`` is refused, not made (the worker sees the stop as
-a wait that overran).
+error)``, for a poll ``("writes_ended", [(wid, error, seconds inside the
+driver's post), ...])``, and ``("kicked",)`` when writes wait for ``poll_kicked``.
+A post still queued when this process was stopped for longer than its ``horizon``
+is refused, not made (the worker sees the stop as a wait that overran).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class DataPlane:
         self._posted = False  # a post was made since the last poll
         self._awake_until = 0.0  # polling every POLL_S until then, even with nothing in flight
         self._slow_until = 0.0  # posts go to the worker until then (see INLINE_S)
-        self._slow_posts = 0  # inline posts in a row that took more than INLINE_S
+        self._slow_calls = {"post": 0, "poll": 0}  # of each, calls in a row over INLINE_S
         self._stall = (0.0, 0.0)  # the last time this worker was stopped: (since, for how long)
         self._last: Transfer | None = None  # the last write posted on the caller's thread
         self.behind = False  # that write was still running when the next one was made
@@ -111,12 +113,7 @@ class DataPlane:
             return
         last = self._last
         self._do(action)
-        if time.monotonic() - now <= INLINE_S:
-            self._slow_posts = 0
-        elif (slow := self._slow_posts + 1) < SLOW_POSTS:
-            self._slow_posts = slow
-        else:  # this driver works inside its post
-            self._slow_posts, self._slow_until = 0, time.monotonic() + SLOW_S
+        self._timed(now, "post")
         self._last = self._inflight.get(action.wid)
         if last is not None and last.poll() is Status.PENDING:
             self.behind = True  # the driver has not caught up: its threads need the GIL
@@ -124,11 +121,42 @@ class DataPlane:
             with self._cond:
                 self._cond.notify()
 
+    def _timed(self, began: float, call: str) -> None:
+        """A driver ``call`` ("post", "poll") made on the control thread ended: ``SLOW_POSTS``
+        slow ones of a kind in a row send both kinds to the worker for ``SLOW_S``."""
+        slow = self._slow_calls
+        if time.monotonic() - began <= INLINE_S:
+            slow[call] = 0
+        elif slow[call] + 1 < SLOW_POSTS:
+            slow[call] += 1
+        else:  # this driver works inside its calls
+            slow[call], self._slow_until = 0, time.monotonic() + SLOW_S
+
     def _kick(self, wid: int) -> None:
-        """Write ``wid``'s driver says a batch of it ended (on the driver's thread)."""
+        """Write ``wid``'s driver says a batch of it ended (on the driver's thread). The
+        control thread polls it (``poll_kicked``): one hand-over, where waking the worker
+        to poll it and report made two, and cost a pipelined burst of one-page requests a
+        twelfth of its rate. While the driver's calls are slow (``SLOW_POSTS``) the worker
+        polls it instead."""
         with self._cond:
+            first = not self._kicked
             self._kicked.add(wid)
-            self._cond.notify()
+            slow = time.monotonic() < self._slow_until
+            if slow:
+                self._cond.notify()
+        if first and not slow:
+            self.report(("kicked",))
+
+    def poll_kicked(self) -> list[tuple[int, str, float]]:
+        """Poll the writes whose driver said a batch ended, on the calling (control) thread:
+        such a driver's poll reads a status, and a batch a write posts next (the notified
+        last one of a split write) is a post as small ones are inline."""
+        began = time.monotonic()
+        with self._cond:
+            kicked, self._kicked = self._kicked, set()
+        ended = self._ended(kicked)
+        self._timed(began, "poll")
+        return ended
 
     @property
     def backlog(self) -> bool:
@@ -150,7 +178,7 @@ class DataPlane:
         poll_at = 0.0
         while True:
             with self._cond:
-                if not self._queue and not self._kicked:
+                if not self._queue and not (self._kicked and time.monotonic() < self._slow_until):
                     if self._stopping and not self._inflight:
                         return
                     now = time.monotonic()
@@ -166,7 +194,9 @@ class DataPlane:
                             self._stall = (asleep, over)
                 todo = list(self._queue)
                 self._queue.clear()
-                kicked, self._kicked = self._kicked, set()
+                kicked: set[int] = set()
+                if time.monotonic() < self._slow_until:  # slow driver calls: polled here
+                    kicked, self._kicked = self._kicked, set()
             for action in todo:
                 try:
                     self._do(action)
@@ -183,9 +213,15 @@ class DataPlane:
                 # milliseconds: counted from its start, the worker polled without pause).
                 every = 4 * POLL_S if self._posted else POLL_S
                 self._posted = False
-                self._poll(self._inflight)
+                # Those whose driver wakes us, only once old: their deadline (their end
+                # reaches the control thread, which polls them at once, see ``_kick``).
+                young = now - CHECK_S
+                self._poll(
+                    [w for w, t in list(self._inflight.items())
+                     if w in self._polled or w in self._cancelled or t.posted_at < young]
+                )  # fmt: skip
                 poll_at = time.monotonic() + every
-            elif kicked:  # only those: polling all 64 of a burst as each ends was quadratic
+            elif kicked:
                 self._poll(kicked)
 
     def _do(self, action: act.Action) -> None:
@@ -245,6 +281,13 @@ class DataPlane:
                 log.warning("data plane: disconnecting %s: %s", action.peer, exc)
 
     def _poll(self, wids: Iterable[int]) -> None:
+        ended = self._ended(wids)
+        if ended:  # one event for the poll: one wake-up, one pass of the core
+            self.report(("writes_ended", ended))
+
+    def _ended(self, wids: Iterable[int]) -> list[tuple[int, str, float]]:
+        """Poll ``wids`` (from either thread); those that ended leave ``_inflight``, each
+        reported by whichever thread saw it first."""
         now = time.monotonic()
         with self._cond:
             inflight = [(w, t) for w in list(wids) if (t := self._inflight.get(w)) is not None]
@@ -258,9 +301,9 @@ class DataPlane:
                     self._cancelled[wid] = float("inf")
                 continue
             with self._cond:
-                del self._inflight[wid]
+                if self._inflight.pop(wid, None) is None:
+                    continue  # the other thread saw it end first
                 self._polled.discard(wid)
             self._cancelled.pop(wid, None)
             ended.append((wid, "" if st is Status.DONE else str(t.error), t.post_s))
-        if ended:  # one event for the poll: one wake-up, one pass of the core
-            self.report(("writes_ended", ended))
+        return ended

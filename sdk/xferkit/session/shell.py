@@ -6,7 +6,8 @@ Curve key, a closed peer), and a socketpair that wakes the loop. The loop
 sleeps until a socket, a command or the core's next deadline, feeds each event
 to the core (``Protocol``) and carries out its actions: messages to sockets,
 driver work to the data-plane worker (``DataPlane``), state to the engine's
-handles. It never calls the driver itself, except to drain notifications.
+handles. It never calls the driver itself, except to drain notifications and to poll a
+write whose driver said it ended (``DataPlane.poll_kicked``).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class Shell:
                 self._poller.register(fd, zmq.POLLIN)
             self._poll_notes = fd is None
         self._apply(protocol.start())
-        self._thread = threading.Thread(target=self._run, name=f"xferkit-session-{self.where}")
-        self._thread.daemon = True
+        name = f"xferkit-session-{self.where}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, command: tuple[Any, ...]) -> None:
@@ -158,8 +159,7 @@ class Shell:
         messages, notifications, commands and timers; True once a command closed the session."""
         p = self.protocol
         assert p is not None
-        now = time.monotonic()
-        wait = max(p.next_deadline() - now, 0.0)
+        wait = max(p.next_deadline() - time.monotonic(), 0.0)
         if self._poll_notes and p.incoming.recvs:
             wait = min(wait, POLL_S)
         if self.commands:  # left over by the last pass's budget
@@ -204,7 +204,10 @@ class Shell:
                 self._close(*args)
                 return True
             try:
-                self._apply(getattr(p, kind)(*args, now))
+                if kind == "kicked":  # writes whose driver said they ended
+                    self._apply(p.writes_ended(self.data.poll_kicked(), now))
+                else:
+                    self._apply(getattr(p, kind)(*args, now))
             except Exception:
                 log.exception("%s: command %s failed", self.where, kind)
 
@@ -228,20 +231,19 @@ class Shell:
         self.data.stop(1.0)
         time.sleep(0.05)  # let the byes leave before the sockets close
 
-    def _drain_router(self, events: dict[Any, int]) -> bool:
+    def _drain_router(self, events: dict[Any, int]) -> None:
         if events.pop(self.router, None) is None:
-            return False
+            return
         p = self.protocol
         assert p is not None
         router = self.router
         while sockets.waiting(router) and time.monotonic() <= self._until:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            except zmq.ZMQError as exc:
-                log.warning("%s: receiving: %s", self.where, exc)
-                return True
+            except zmq.ZMQError as exc:  # EAGAIN aside, said
+                if exc.errno != zmq.EAGAIN:
+                    log.warning("%s: receiving: %s", self.where, exc)
+                return
             self._yield()
             if len(frames) != 2:
                 log.warning("%s: dropped a message of %d frames", self.where, len(frames))
@@ -250,9 +252,8 @@ class Shell:
             msg = self._decode(data, "a decode rank or group member")
             if msg is not None:
                 self._apply(p.receive(("down", ident), msg, time.monotonic()))
-        return True
 
-    def _drain_dealers(self, events: dict[Any, int]) -> bool:
+    def _drain_dealers(self, events: dict[Any, int]) -> None:
         p = self.protocol
         assert p is not None
         for sock in list(events):
@@ -274,7 +275,6 @@ class Shell:
             conn = self._monitors.get(sock)
             if conn is not None:
                 self._on_monitor(sock, conn)
-        return True
 
     def _on_monitor(self, mon: zmq.Socket[Any], conn: act.Conn) -> None:
         p = self.protocol
