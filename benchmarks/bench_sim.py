@@ -32,6 +32,9 @@ def speeds(seeds: int) -> list[dict[str, Any]]:
         rows.append({
             "config": f"{config.prefill_tp}->{config.decode_tp}, {config.requests} requests, "
                       f"staging {config.staging}"
+                      + (f", decode of {config.decode_pp} stages" if config.decode_pp > 1 else "")
+                      + (f", prefix hits {config.skip:g}" if config.skip else "")
+                      + (f", layer-wise {config.layered:g}" if config.layered else "")
                       + ("" if config.notifying else ", Written on the socket")
                       + (", fencing" if config.fencing else ""),
             "schedules_per_s": seeds / wall,

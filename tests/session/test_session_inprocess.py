@@ -11,7 +11,7 @@ import pytest
 
 from xferkit import Backend, Descriptors, Manifest, Status, XferError
 from xferkit.driver import BatchWorker, Posted, QueuedBatch
-from xferkit.session import RequestError, Session, State
+from xferkit.session import RequestError, Session, State, dataplane
 from xferkit.testing import Reference, RegionSpec, gdn_hybrid
 from xferkit.testing.mock import STALL, Call, MockDriver
 
@@ -274,17 +274,29 @@ def test_a_write_whose_driver_wakes_us_is_polled_on_the_control_thread(slow: int
     whose calls turn slow (``dataplane.SLOW_POSTS`` in a row) has the worker poll them."""
     driver = _Waking(slow)
     _, pre, dec = _pair(driver, MockDriver())
+
+    def one(i: int) -> None:
+        recv = dec.expect(f"r{i}", pre.address, {"kv": [1]})
+        send = pre.offer(f"r{i}")
+        send.write({"kv": [2]}, last=True)
+        assert recv.wait(10) is State.DONE and send.wait(10) is State.DONE
+
     try:
         for i in range(6):
-            recv = dec.expect(f"r{i}", pre.address, {"kv": [1]})
-            send = pre.offer(f"r{i}")
-            send.write({"kv": [2]}, last=True)
-            assert recv.wait(10) is State.DONE and send.wait(10) is State.DONE
+            one(i)
+        if slow:  # once SLOW_S passed, the control thread polls them again
+            time.sleep(dataplane.SLOW_S + 0.1)
+            one(6)
+            one(7)
     finally:
         pre.close()
         dec.close()
-    assert len(driver.batches) == 6
-    for n, batch in enumerate(driver.batches):
+    assert len(driver.batches) == (8 if slow else 6)
+    for batch in driver.batches[6:]:
+        assert {name.split("-")[1] for name, st in batch.polls if st is Status.DONE} == {
+            "session"
+        }, batch.polls
+    for n, batch in enumerate(driver.batches[:6]):
         ended = {name.split("-")[1] for name, st in batch.polls if st is Status.DONE}
         # The first post may wait for the worker (behind the Connect): its 5 ms are not
         # counted, so slow inline posts in a row begin with the first or the second.

@@ -28,6 +28,9 @@ FOUND = [
     (24, Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=20, heartbeat_s=2,
                 dead_after_s=10), "a place the hostile claimed first, misread"),
     (273, Config(prefill_tp=4, decode_tp=2, requests=10), "a closed Session's calls replayed"),
+    (1124, Config(decode_pp=2), "a request resolved from a cached roster that named the hostile "
+     "prefill: the checker did not count it as asked (its Bye failed the request, rightly)"),
+    (2262, Config(decode_pp=2), "the same"),
 ]  # fmt: skip
 BUDGET = 1500
 """Schedules each mutation may take to be found (the docs' table has the counts)."""
@@ -111,6 +114,7 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     instances=st.sampled_from([1, 1, 2]),  # prefill instances, each request from one
     decodes=st.sampled_from([1, 1, 2]),  # decode instances, each request to one
     decode=st.sampled_from([1, 2, 4]),
+    decode_stages=st.sampled_from([1, 1, 2]),  # the decode's pipeline stages
     requests=st.integers(1, 8),
     faults=FAULT_SETS,
     heartbeat=st.sampled_from([0.5, 1.0, 2.0]),
@@ -123,16 +127,17 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     layered=st.sampled_from([0.0, 0.0, 0.5]),  # the share of prefill ranks writing per layer
 )
 def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
-    seed: int, prefill: int, stages: int, instances: int, decode: int, decodes: int,
-    requests: int,
+    seed: int, prefill: int, stages: int, instances: int, decode: int, decode_stages: int,
+    decodes: int, requests: int,
     faults: frozenset[str], heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
     notifying: bool, fencing: bool, skip: float, layered: float,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, prefill_pp=stages, instances=instances, decode_tp=decode,
-        decode_instances=decodes, requests=requests, faults=faults, heartbeat_s=heartbeat,
-        dead_after_s=heartbeat * dead_after, staging=staging, staging_bytes=staging_bytes,
-        notifying=notifying, fencing=fencing, skip=skip, layered=layered,
+        decode_pp=decode_stages, decode_instances=decodes, requests=requests, faults=faults,
+        heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after, staging=staging,
+        staging_bytes=staging_bytes, notifying=notifying, fencing=fencing, skip=skip,
+        layered=layered,
     )  # fmt: skip
     result = run(seed, config)
     assert result.violations == [], f"replay: run({seed}, {config})"

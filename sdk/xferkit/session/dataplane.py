@@ -83,6 +83,7 @@ class DataPlane:
         self._inflight: dict[int, Transfer] = {}
         self._polled: set[int] = set()  # writes in flight whose driver cannot wake us
         self._kicked: set[int] = set()  # writes whose driver said a batch ended: poll now
+        self._asked = False  # a report asked the control thread to poll them (``_kick``)
         self._wakes = False  # the last write posted wakes us as it ends
         self._cancelled: dict[int, float] = {}  # wid -> when we stop waiting for the driver
         self._stopping = False
@@ -139,13 +140,14 @@ class DataPlane:
         twelfth of its rate. While the driver's calls are slow (``SLOW_POSTS``) the worker
         polls it instead."""
         with self._cond:
-            first = not self._kicked
             self._kicked.add(wid)
-            slow = time.monotonic() < self._slow_until
-            if slow:
-                self._cond.notify()
-        if first and not slow:
-            self.report(("kicked",))
+            if time.monotonic() < self._slow_until:
+                self._cond.notify()  # the worker polls the writes no report asked for
+                return
+            if self._asked:  # the control thread polls every kicked write at once
+                return
+            self._asked = True
+        self.report(("kicked",))
 
     def poll_kicked(self) -> list[tuple[int, str, float]]:
         """Poll the writes whose driver said a batch ended, on the calling (control) thread:
@@ -153,7 +155,7 @@ class DataPlane:
         last one of a split write) is a post as small ones are inline."""
         began = time.monotonic()
         with self._cond:
-            kicked, self._kicked = self._kicked, set()
+            kicked, self._kicked, self._asked = self._kicked, set(), False
         ended = self._ended(kicked)
         self._timed(began, "poll")
         return ended
@@ -178,7 +180,7 @@ class DataPlane:
         poll_at = 0.0
         while True:
             with self._cond:
-                if not self._queue and not (self._kicked and time.monotonic() < self._slow_until):
+                if not self._queue and not (self._kicked and not self._asked):
                     if self._stopping and not self._inflight:
                         return
                     now = time.monotonic()
@@ -195,7 +197,7 @@ class DataPlane:
                 todo = list(self._queue)
                 self._queue.clear()
                 kicked: set[int] = set()
-                if time.monotonic() < self._slow_until:  # slow driver calls: polled here
+                if not self._asked:  # kicked while the driver's calls were slow: polled here
                     kicked, self._kicked = self._kicked, set()
             for action in todo:
                 try:

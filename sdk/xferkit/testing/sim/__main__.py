@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1, help="prefill instances (up to 3)")
     ap.add_argument("--decode-instances", type=int, default=1, help="decode instances (up to 3)")
     ap.add_argument("--decode-tp", type=int, default=2)
+    ap.add_argument("--decode-pp", type=int, default=1, help="each decode's pipeline stages")
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--staging", choices=["never", "auto", "always"], default="auto")
     ap.add_argument("--written", action="store_true", help="a driver without notifications")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     config = Config(
         prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, instances=args.instances,
-        decode_tp=args.decode_tp, decode_instances=args.decode_instances,
+        decode_tp=args.decode_tp, decode_pp=args.decode_pp, decode_instances=args.decode_instances,
         requests=args.requests, faults=args.faults, staging=args.staging,
         notifying=not args.written,
         fencing=args.fencing,

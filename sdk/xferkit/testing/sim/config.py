@@ -51,6 +51,7 @@ class Config:
     instances: int = 1  # prefill instances of that shape (P0.., Q0.., R0..); each request one
     decode_instances: int = 1  # decode instances (D0.., E0.., F0..); each request one
     decode_tp: int = 2
+    decode_pp: int = 1  # pipeline stages of each decode instance (each holds its layers)
     requests: int = 6
     arrivals_s: float = 20.0  # requests arrive within this many simulated seconds
     hostile_acts: int = 12  # the most bursts the hostile peer sends ("hostile")

@@ -321,6 +321,14 @@ MUTATIONS = (
         faults=frozenset(),
         config=(("layered", 1.0), ("staging", "always")),
     ),
+    Mutation(
+        "pipeline-places-ignored",
+        "a classic: a source counts its decode ranks by TP alone, so a pipelined decode's "
+        "later stages are not waited for",
+        (Edit(Outgoing, "_check", "rec.dst_size[0] * rec.dst_size[1]", "rec.dst_size[0]"),),
+        faults=frozenset(),  # DONE while it still writes the other stage
+        config=(("decode_pp", 2),),
+    ),
 )
 
 OUTSIDE = {

@@ -52,7 +52,8 @@ def sweep(first: int, count: int, configs: Sequence[Config], workers: int = 1) -
 ONE_PAIR = Config(prefill_tp=1, decode_tp=1, requests=3, arrivals_s=26.0, staging="never",
                   hostile_acts=6, heartbeat_s=2.0, dead_after_s=10.0)  # fmt: skip
 MIX = (
-    *[ONE_PAIR] * 4,
+    *[ONE_PAIR] * 3,
+    replace(ONE_PAIR, decode_pp=2),  # a pipelined decode: two stages, each its layers
     replace(ONE_PAIR, skip=0.5),  # half the decode ranks hold a prefix (expect(skip=))
     replace(ONE_PAIR, layered=0.5),  # half the prefill ranks write layer by layer
     replace(ONE_PAIR, notifying=False),  # completions as ``Written`` on the control socket
@@ -62,8 +63,8 @@ MIX = (
 )
 """The CI budget's configurations: mostly one pair on direct routes (the cheapest per simulated
 second; one in ten on a driver without notifications, one on drivers that fence, one with
-prefix cache hits, one writing layer by layer), some staged
-TP, all with a heartbeat every 2 s (a ping costs steps, not simulated time: 18% more simulated
-seconds per second than at 1 s); wider shapes, more hostile bursts, staging contention and the
-other time constants run in the hypothesis search, the mutation hunts (2 -> 2, staged) and
-``make sim``."""
+prefix cache hits, one writing layer by layer, one into a decode of two pipeline stages),
+some staged TP, all with a heartbeat every 2 s (a ping costs steps, not simulated time: 18%
+more simulated seconds per second than at 1 s); wider shapes, more hostile bursts, staging
+contention and the other time constants run in the hypothesis search, the mutation hunts
+(2 -> 2, staged) and ``make sim``."""

@@ -43,14 +43,14 @@ BACKLOG_S = 0.0005
 
 @cache
 def reference(
-    prefill_tp: int, decode_tp: int, kv: int, state: int, pp: int, copy: int = 0
+    prefill_tp: int, decode_tp: int, kv: int, state: int, pp: int, dpp: int = 1, copy: int = 0
 ) -> Reference:
     """One model's memory per shape, reused by every schedule (each allocation scrubs its
     destination slots, so nothing a schedule left behind can pass for a later write); each
     decode instance writes its own ``copy`` (the same seed: the same source bytes)."""
     slots = {"kv": kv, "state": state}
-    return Reference(gdn_hybrid(), src_tp=prefill_tp, dst_tp=decode_tp, src_pp=pp, src_slots=slots,
-                     dst_slots=slots)  # fmt: skip
+    return Reference(gdn_hybrid(), src_tp=prefill_tp, dst_tp=decode_tp, src_pp=pp, dst_pp=dpp,
+                     src_slots=slots, dst_slots=slots)  # fmt: skip
 
 
 class Rank:
@@ -90,7 +90,7 @@ class Rank:
             incarnation=w.rng.getrandbits(48),
             manifest=self.memory.manifest,
             pp_rank=self.stage,
-            pp_size=c.prefill_pp if self.role == "prefill" else 1,
+            pp_size=c.prefill_pp if self.role == "prefill" else c.decode_pp,
             staging=c.staging,
             arena=self.memory.staging.arena(c.slice_bytes),
             copier=CPU,  # packs and unpacks in the core's call: no pack worker
@@ -132,7 +132,9 @@ class World:
         self._awake_s = (config.dead_after_s - config.heartbeat_s) / 2  # the longest a core sleeps
         c = config
         self.refs = [
-            reference(c.prefill_tp, c.decode_tp, c.kv_slots, c.state_slots, c.prefill_pp, k)
+            reference(
+                c.prefill_tp, c.decode_tp, c.kv_slots, c.state_slots, c.prefill_pp, c.decode_pp, k
+            )
             for k in range(c.decode_instances)
         ]
         ref = self.refs[0]
@@ -140,7 +142,7 @@ class World:
         self.instances = [[f"{x}{i}" for i in range(n)] for x in INSTANCES[: config.instances]]
         self.prefill = [name for ranks in self.instances for name in ranks]
         self.decodes = [
-            [f"{x}{i}" for i in range(config.decode_tp)]
+            [f"{x}{i}" for i in range(config.decode_tp * config.decode_pp)]
             for x in DECODE_INSTANCES[: config.decode_instances]
         ]
         self.decode = [name for ranks in self.decodes for name in ranks]
