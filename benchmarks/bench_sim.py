@@ -36,7 +36,8 @@ def speeds(seeds: int) -> list[dict[str, Any]]:
                       + (f", prefix hits {config.skip:g}" if config.skip else "")
                       + (f", layer-wise {config.layered:g}" if config.layered else "")
                       + ("" if config.notifying else ", Written on the socket")
-                      + (", fencing" if config.fencing else ""),
+                      + (", fencing" if config.fencing else "")
+                      + (", pack worker" if config.packer else ""),
             "schedules_per_s": seeds / wall,
             "simulated_per_wall": simulated / wall,
             "steps_per_schedule": steps / seeds,

@@ -123,6 +123,7 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     staging_bytes=st.sampled_from([1 << 14, 1 << 16]),
     notifying=st.booleans(),
     fencing=st.booleans(),
+    packer=st.booleans(),  # staged rounds pack on the Session's worker, or in the core's call
     skip=st.sampled_from([0.0, 0.0, 0.5]),  # the share of decode ranks holding a prefix
     layered=st.sampled_from([0.0, 0.0, 0.5]),  # the share of prefill ranks writing per layer
 )
@@ -130,14 +131,14 @@ def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
     seed: int, prefill: int, stages: int, instances: int, decode: int, decode_stages: int,
     decodes: int, requests: int,
     faults: frozenset[str], heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
-    notifying: bool, fencing: bool, skip: float, layered: float,
+    notifying: bool, fencing: bool, packer: bool, skip: float, layered: float,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, prefill_pp=stages, instances=instances, decode_tp=decode,
         decode_pp=decode_stages, decode_instances=decodes, requests=requests, faults=faults,
         heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after, staging=staging,
-        staging_bytes=staging_bytes, notifying=notifying, fencing=fencing, skip=skip,
-        layered=layered,
+        staging_bytes=staging_bytes, notifying=notifying, fencing=fencing, packer=packer,
+        skip=skip, layered=layered,
     )  # fmt: skip
     result = run(seed, config)
     assert result.violations == [], f"replay: run({seed}, {config})"

@@ -298,6 +298,9 @@ class Checker:
         ):
             if size > bound:
                 self.violate(6, f"{rank.name}: {name} holds {size} (bound {bound})")
+        for down in p.pairs.downs.values():  # row 10: what a refused Hello brought is not kept
+            if down.error is not None and (down.plan is not None or down.staged is not None):
+                self.violate(6, f"{rank.name}: the refused pair of {down.where()} keeps its plan")
         for up in p.pairs.ups.values():  # a driver's notifications count for its own pair
             if up.welcome is not None and p.pairs.by_driver.get(up.driver_name) is not up:
                 other = p.pairs.by_driver.get(up.driver_name)

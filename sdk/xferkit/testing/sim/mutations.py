@@ -22,6 +22,7 @@ from ...session.outgoing import Outgoing
 from ...session.pairs import Pairs
 from ...session.protocol import Protocol
 from ...session.roster import Roster
+from ...session.rounds import Outbound
 from ...session.sends import Dst, Ledger, Span
 from ...session.unpacking import Unpacker
 from . import run
@@ -329,11 +330,23 @@ MUTATIONS = (
         faults=frozenset(),  # DONE while it still writes the other stage
         config=(("decode_pp", 2),),
     ),
+    Mutation(
+        "refused-hello-kept",
+        "row 10: a refused pair keeps what its Hello brought (its plan of the peer's manifest)",
+        (Edit(Pairs, "_refuse", "down.plan = down.staged = None", "pass"),),
+    ),
+    Mutation(
+        "pack-not-waited",
+        "a classic: a failing request does not wait for its pack in flight, which still reads "
+        "the source after FAILED",
+        (Edit(Outbound, "settle", "self.packing[3].result()", "pass"),),
+        config=(("packer", True), ("staging", "always"), ("requests", 10)),
+    ),
 )
 
 OUTSIDE = {
-    "9 (the slot bound), 10: memory held for unoffered slots or refused Hellos": "bytes per "
-    "message are not modelled (tables are: invariant 6); test_session_bounds.py",
+    "9 (the slot bound): memory held for unoffered slots": "bytes per message are not "
+    "modelled (tables are: invariant 6); test_session_bounds.py",
     "11 (the pair cap)": "a flood of 16 stays under MAX_PAIRS; test_protocol_core.py::"
     "test_hellos_beyond_the_pair_cap_are_refused_and_keep_nothing",
     "12: a Session never reclaimed": "no garbage collector; test_session_stale.py",

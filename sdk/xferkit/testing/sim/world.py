@@ -16,7 +16,7 @@ import heapq
 import logging
 import random
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ...copier import CPU
@@ -33,6 +33,7 @@ from .hostile import HOSTILE, PREFILL, Hostile
 from .invariants import Checker, Violation
 from .memory import Memory
 from .network import Network
+from .packer import Packs
 from .trace import brief
 
 HOSTILE_IDENT = HOSTILE.encode()
@@ -93,7 +94,8 @@ class Rank:
             pp_size=c.prefill_pp if self.role == "prefill" else c.decode_pp,
             staging=c.staging,
             arena=self.memory.staging.arena(c.slice_bytes),
-            copier=CPU,  # packs and unpacks in the core's call: no pack worker
+            copier=CPU,  # unpacks in the core's call, as a Session's; packs too, or
+            runner=partial(w.packs.run, self) if c.packer else None,  # on its worker
             backend="sim",
             driver_name=self.driver_name,
             endpoint=endpoint(self.name, w.driver.epochs.get(self.name, 0)),
@@ -160,6 +162,7 @@ class World:
         self.driver = Driver(self)
         self.engine = Engine(self)
         self.check = Checker(self)
+        self.packs = Packs(self)
         self.hostile = Hostile(self) if "hostile" in config.faults else None
 
     # -- the scheduler ----------------------------------------------------------------
