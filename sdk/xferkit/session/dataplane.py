@@ -218,10 +218,12 @@ class DataPlane:
                 # Those whose driver wakes us, only once old: their deadline (their end
                 # reaches the control thread, which polls them at once, see ``_kick``).
                 young = now - CHECK_S
-                self._poll(
-                    [w for w, t in list(self._inflight.items())
-                     if w in self._polled or w in self._cancelled or t.posted_at < young]
-                )  # fmt: skip
+                with self._cond:
+                    due_now = [
+                        w for w, t in self._inflight.items()
+                        if w in self._polled or w in self._cancelled or t.posted_at < young
+                    ]  # fmt: skip
+                self._poll(due_now)
                 poll_at = time.monotonic() + every
             elif kicked:
                 self._poll(kicked)
