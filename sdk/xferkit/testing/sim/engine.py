@@ -204,8 +204,8 @@ class Engine:
         rec = rank.proto.incoming.recvs.get(use.rid)
         if rec is not None and rec.handle is h:  # its writes carry this claim's generation
             rank.memory.serials[use.rid, rec.gen] = use.serial
-            if self.w.hostile is not None and PREFILL in rec.sources:
-                self.w.hostile.asked.add(use.serial)  # a roster it had named the hostile
+            if self.w.hostile is not None:  # resolved from a roster it held already
+                self.w.named_hostile(rank)
 
     def _offer(self, use: Use, name: str) -> None:
         got = self._first(use, name, "prefill")

@@ -218,14 +218,15 @@ class World:
         if join is not None:
             self.check.joined(rank, args[0][1], join, held)
         if isinstance(msg, wire.Roster) and self.hostile is not None:
-            self._named_hostile(rank)
+            self.named_hostile(rank)
         self.schedule_timer(rank)
         if forged or self.steps % 8 == 0:  # what the hostile sends makes tables grow
             self.check.bounds(rank)
 
-    def _named_hostile(self, rank: Rank) -> None:
+    def named_hostile(self, rank: Rank) -> None:
         """A roster that named the hostile prefill (in a lost member's place: no keys here)
-        makes it a source of the requests it resolved, before any of them asks it anything."""
+        makes it a source of the requests it resolved, before any of them asks it anything:
+        those ``rank`` resolved, on its arrival or from a roster it held already."""
         assert self.hostile is not None
         for rec in rank.proto.incoming.recvs.values():
             serial = rank.memory.serials.get((rec.rid, rec.gen))
