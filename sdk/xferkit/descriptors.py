@@ -62,6 +62,19 @@ class Descriptors:
         out._seal = (src, dst, arrays)
         return out
 
+    @classmethod
+    def sealed_copy(cls, whole: np.ndarray, src: Manifest, dst: Manifest) -> Descriptors:
+        """Sealed descriptors from ``whole`` (src, dst and nbytes end to end, uint64), copied
+        into immutable memory: for a small set, cheaper than ``sealed`` and ``filling``."""
+        count = whole.size // 3
+        if not count:
+            return cls.sealed(0, src, dst)
+        frozen = np.frombuffer(whole.astype(np.uint64, copy=False).tobytes(), dtype=np.uint64)
+        arrays = (frozen[:count], frozen[count : 2 * count], frozen[2 * count :])
+        out = cls(*arrays)
+        out._seal = (src, dst, arrays)
+        return out
+
     @contextlib.contextmanager
     def filling(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Writable aliases of a freshly sealed set's arrays, for its maker only."""

@@ -88,6 +88,7 @@ class Transfer:
         self._running: list[Posted] = []  # posted, not yet seen DONE
         self._released = 0  # posted[:released] were released
         self._phase = Phase.SENDING
+        self._status = Status.PENDING  # STATUS[_phase], kept beside it (an enum hashes slowly)
         self.posted_at = time.monotonic()
         self._deadline = None if timeout is None else self.posted_at + timeout
         self._timeout = timeout
@@ -118,7 +119,7 @@ class Transfer:
         batch cannot say so (it must be polled). Terminal already: called at once."""
         with self._lock:
             self._wake = wake
-            if STATUS[self._phase] is not Status.PENDING:
+            if self._status is not Status.PENDING:
                 wake()
                 self.wakes = True
                 return True
@@ -127,10 +128,10 @@ class Transfer:
             return self.wakes
 
     def poll(self) -> Status:
-        if self._phase is Phase.SENDING or self._phase is Phase.FAILING:
+        if self._status is Status.PENDING:
             with self._lock:
                 self._advance()
-        return STATUS[self._phase]
+        return self._status
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until terminal; raise the root-cause ``TransferError`` if it failed.
@@ -275,7 +276,7 @@ class Transfer:
         self._released = len(self._posted)
 
     def _end(self, phase: Phase) -> None:
-        self._phase = phase
+        self._phase, self._status = phase, STATUS[phase]
         self._on_end(self)
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xferkit import Descriptors, coverage
+from xferkit.planner.expand import _expand_group
 from xferkit.testing import Rank, layouts, slot_pairs, slot_requests
 from xferkit.testing.checks import byte_runs, check_descriptors, for_rank, handoff
 from xferkit.testing.strategies import INTERESTING_TP, Layout, tp_pairs
@@ -202,3 +203,42 @@ def test_expand_is_reusable_and_ignores_pair_order(data: st.DataObject) -> None:
                 assert np.array_equal(x.src, y.src)
                 assert np.array_equal(x.dst, y.dst)
                 assert np.array_equal(x.nbytes, y.nbytes)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_one_page_requests_take_the_shortcut_and_match_the_general_expansion(
+    data: st.DataObject,
+) -> None:
+    """A request of one slot per pool (a decode step's page) is expanded by a shortcut:
+    its bytes match the reference, and its descriptors are the general path's, in order."""
+    layout = data.draw(layouts(max_pp=2))
+    ref = layout.reference(seed=data.draw(seeds))
+    pools = sorted(set(layout.src_slots) & set(layout.dst_slots))
+    chosen = data.draw(st.lists(st.sampled_from(pools), min_size=1, unique=True)) if pools else []
+    request = {
+        pool: (
+            np.array([data.draw(st.integers(0, layout.src_slots[pool] - 1))]),
+            np.array([data.draw(st.integers(0, layout.dst_slots[pool] - 1))]),
+        )
+        for pool in chosen
+    }
+    handoff(ref, request)
+    srcs = [r.manifest for r in ref.srcs]
+    for rank in ref.dsts:
+        for p in coverage(srcs, rank.manifest).plans.values():
+            req = for_rank(rank.manifest, request)
+            fast = p.expand(req)
+            assert fast.origin is not None  # sealed, as every expansion
+            assert not fast.src.flags.writeable
+            pairs = p.page_pairs(req)
+            parts = [_expand_group(g, pairs[g.pool]) for g in p.of_layers(None) if g.pool in pairs]
+            count = sum(n for n, _ in parts)
+            src, dst, nbytes = (np.zeros(count, dtype=np.uint64) for _ in range(3))
+            at = 0
+            for n, fill in parts:
+                fill(src[at : at + n], dst[at : at + n], nbytes[at : at + n])
+                at += n
+            assert np.array_equal(fast.src, src)
+            assert np.array_equal(fast.dst, dst)
+            assert np.array_equal(fast.nbytes, nbytes)

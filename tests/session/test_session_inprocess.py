@@ -306,6 +306,66 @@ def test_a_write_whose_driver_wakes_us_is_polled_on_the_control_thread(slow: int
             assert ended == {"session"}, (n, batch.polls)
 
 
+class _Deaf(Posted):
+    """A batch that cannot say when it ends (no ``on_end``: polled every ``POLL_S``), stalled
+    until released."""
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def poll(self) -> Status:
+        return Status.FAILED if self.released else Status.PENDING
+
+    @property
+    def error(self) -> str:
+        return "released while stalled"
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _PartlyDeaf(_Waking):
+    """``_Waking`` whose first post stalls in a batch that must be polled."""
+
+    def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
+        if not self.batches and not getattr(self, "deaf", None):
+            self.deaf = _Deaf()
+            return self.deaf
+        return super().post(link, descs, notify)
+
+
+def test_writes_that_end_while_the_driver_is_slow_are_polled_when_they_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the driver's calls are slow the worker polls the writes whose driver said they
+    ended. Before, a worker that also had a write to poll every ``POLL_S`` (one its driver
+    cannot wake us for) took those ended writes and polled only the other one: they waited
+    for their deadline check (``CHECK_S``) and their prefill handles stayed TRANSFERRING
+    (measured: 30-55 ms between two 64-request blocks of bench_session.py)."""
+    monkeypatch.setattr(dataplane, "CHECK_S", 30.0)  # a deadline check never rescues them
+    monkeypatch.setattr(dataplane, "POLL_S", 0.0)  # the stalled write is due at every turn
+    driver = _PartlyDeaf(slow=4)
+    _, pre, dec = _pair(driver, MockDriver())
+    try:
+        stuck = dec.expect("stuck", pre.address, {"kv": [1]})
+        pre.offer("stuck").write({"kv": [2]}, last=True)
+        for i in range(8):  # the first three slow posts send the next ones to the worker
+            recv = dec.expect(f"r{i}", pre.address, {"kv": [3 + i % 5]})
+            send = pre.offer(f"r{i}")
+            send.write({"kv": [3 + i % 5]}, last=True)
+            assert recv.wait(10) is State.DONE
+            assert send.wait(10) is State.DONE, f"r{i}: {send.poll()}"
+        assert stuck.poll() is State.TRANSFERRING or stuck.poll() is State.WAITING
+    finally:
+        pre.close()
+        dec.close()
+    assert any(
+        name.startswith("xferkit-data-") and st is Status.DONE
+        for batch in driver.batches
+        for name, st in batch.polls
+    ), "no write was polled by the worker: the driver never turned slow"
+
+
 def test_a_stalled_write_is_not_polled_every_millisecond_when_its_driver_wakes_us(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -223,7 +223,7 @@ class DataPlane:
                         w for w, t in self._inflight.items()
                         if w in self._polled or w in self._cancelled or t.posted_at < young
                     ]  # fmt: skip
-                self._poll(due_now)
+                self._poll(kicked.union(due_now))  # those taken above too: no one else will
                 poll_at = time.monotonic() + every
             elif kicked:
                 self._poll(kicked)

@@ -30,11 +30,14 @@ def monitor_events(mon: zmq.Socket[Any]) -> list[int]:
             return events
 
 
+_POLLIN = int(zmq.POLLIN)  # a plain int: ``&`` with the enum member builds a flag each time
+
+
 def waiting(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (cheaper than a receive failing with EAGAIN, which
     costs an exception at the end of every drain)."""
     try:
-        return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+        return bool(cast(int, sock.get(zmq.EVENTS)) & _POLLIN)
     except zmq.ZMQError:
         return True  # the receive says what is wrong
 
