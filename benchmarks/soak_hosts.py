@@ -37,7 +37,18 @@ from report import Column, parser, save, table
 from xferkit.testing.hosts import Host, Hosts
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "session"))
-from session_rank import Expect, Fill, Landed, Offer, RankProcess, Setup, Stray, Wait, Write
+from session_rank import (
+    Expect,
+    Fill,
+    Forget,
+    Landed,
+    Offer,
+    RankProcess,
+    Setup,
+    Stray,
+    Wait,
+    Write,
+)
 
 SESSION = {
     "heartbeat_s": 0.2,
@@ -211,6 +222,9 @@ def _round(
         for i, r in enumerate(ranks.pre):
             if i not in dead:
                 ask(r, Wait(rid, WAIT_S), i)
+        for i, r in enumerate(ranks.pre + ranks.dec):  # ended: the engine lets go of it
+            if i not in dead:
+                ask(r, Forget(rid))
     if fault is not None:
         fault.join()
     for i in sorted(dead):

@@ -109,6 +109,12 @@ class Renew(msgspec.Struct, tag=True):
     sources: list[str]
 
 
+class Forget(msgspec.Struct, tag=True):
+    """Drop this rank's handle of ``rid`` (a soak keeps no handle of an ended request)."""
+
+    rid: str
+
+
 class Quit(msgspec.Struct, tag=True):
     pass
 
@@ -127,6 +133,7 @@ Command = (
     | Landed
     | Quit
     | Renew
+    | Forget
 )
 
 
@@ -253,6 +260,8 @@ def serve() -> None:
                 )
             elif isinstance(cmd, Renew):
                 session.renew(cmd.rid, cmd.sources)
+            elif isinstance(cmd, Forget):
+                handles.pop(cmd.rid, None)
             elif isinstance(cmd, Check):
                 ref.check(index, cmd.slots)
             elif isinstance(cmd, Fill):
