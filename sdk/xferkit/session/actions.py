@@ -178,3 +178,6 @@ Action = (
     | Paired
     | Finished
 )
+
+DRIVER_WORK = frozenset({Post, Cancel, Connect, Disconnect, Fence})
+"""The actions the data-plane worker carries out (``DataPlane``)."""
