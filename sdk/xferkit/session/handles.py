@@ -19,6 +19,9 @@ from .layerwise import check_layers
 from .states import RequestError, Routes, State
 from .timeline import Span
 
+NO_ROUTES = Routes()
+"""Every handle's routes until its request ended (immutable: one for all)."""
+
 
 class Owner(Protocol):
     """What a handle asks of its session: queue a command, check slots, report its end."""
@@ -40,9 +43,12 @@ class _Handle:
         self._times = {State.HANDSHAKING: time.monotonic()}
         self._error: RequestError | None = None
         self._failing: RequestError | None = None
-        self._routes = Routes()
+        self._routes = NO_ROUTES
         self._timeline: Mapping[str, Span] = {}
-        self._cond = threading.Condition()
+        # A plain lock, taken on every move (an RLock's ``with`` costs two Python calls), and a
+        # condition over it made for the first waiter (most handles are polled, never waited).
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.request_id!r}, {self._state.name})"
@@ -66,7 +72,7 @@ class _Handle:
     def times(self) -> dict[State, float]:
         """When the request reached each state it went through (``time.monotonic``): the
         per-request timeline (handshake, waiting for the other side, transfer, the end)."""
-        with self._cond:
+        with self._lock:
             return dict(self._times)
 
     @property
@@ -90,7 +96,7 @@ class _Handle:
         Past ``timeout`` it raises ``XferError`` and the request goes on.
         """
         limit = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
-        with self._cond:
+        with self._lock:
             while not self.done:
                 left = None if limit is None else limit - time.monotonic()
                 if left is not None and left <= 0:
@@ -98,7 +104,7 @@ class _Handle:
                         f"request {self.request_id!r} still {self._state.name} after {timeout} s",
                         subject=self.request_id,
                     )
-                self._cond.wait(left)
+                self._sleep(left)
         if self._error is not None:
             raise self._error
         return self._state
@@ -114,7 +120,7 @@ class _Handle:
         self._session._submit(("abort", self))
         if timeout == 0:
             return
-        with self._cond:
+        with self._lock:
             while not self.done:
                 left = limit - time.monotonic()
                 if left <= 0:
@@ -122,17 +128,24 @@ class _Handle:
                         f"request {self.request_id!r}: abort not confirmed within {timeout} s",
                         subject=self.request_id,
                     )
-                self._cond.wait(left)
+                self._sleep(left)
+
+    def _sleep(self, seconds: float | None) -> None:
+        """Wait for the end, the lock held (the control thread notifies once a condition is
+        made)."""
+        if self._cond is None:
+            self._cond = threading.Condition(self._lock)
+        self._cond.wait(seconds)
 
     # -- the I/O thread's side -------------------------------------------------
 
     def _move(self, state: State) -> bool:
-        with self._cond:
+        with self._lock:
             if self.done or state <= self._state:
                 return False
             self._state = state
             self._times[state] = time.monotonic()
-            if state is State.DONE:  # waiters wait for the end only: wake them then
+            if state is State.DONE and self._cond is not None:  # they wait for the end only
                 self._cond.notify_all()
             return True
 
@@ -145,12 +158,13 @@ class _Handle:
             self._failing = error
 
     def _fail(self, error: RequestError) -> bool:
-        with self._cond:
+        with self._lock:
             if self.done:
                 return False
             self._error, self._state = error, State.FAILED
             self._times[State.FAILED] = time.monotonic()
-            self._cond.notify_all()
+            if self._cond is not None:
+                self._cond.notify_all()
         self._session._finished(self)
         return True
 
