@@ -555,6 +555,11 @@ def test_misuse_is_named() -> None:
             KVManager(b, w.ref.dsts[0].manifest, "decode", page_size=0)
         with pytest.raises(xk.ArgumentError, match="DP rank"):
             recv.init(1)
+        # Before: an index past int64 raised numpy's OverflowError (found by the test below).
+        with pytest.raises(xk.ArgumentError, match="aux_index"):
+            recv.send_metadata([], 2**63, None)
+        with pytest.raises(xk.ArgumentError, match="aux_index"):
+            KVSender(w.pre[0], None, 74).init(1, 2**63)
         with xk.open_backend("loopback") as b, pytest.raises(xk.ArgumentError, match="pool"):
             KVManager(b, w.ref.srcs[0].manifest, "prefill", aux_pool="x")
 

@@ -52,6 +52,7 @@ class KVPoll(enum.IntEnum):
 
 
 MODES = ("prefill", "decode")  # sglang's DisaggregationMode values
+INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +74,13 @@ def _room(value: object) -> str:
 
 
 def _count(value: object, what: str) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
-        raise ArgumentError(f"{what} is a non-negative int, not {value!r}", subject=value)
+    """A non-negative int that fits a slot index (int64), or an ArgumentError naming ``what``."""
+    if (
+        not isinstance(value, int | np.integer)
+        or isinstance(value, bool)
+        or not 0 <= value <= INT64_MAX
+    ):
+        raise ArgumentError(f"{what} is a non-negative int64, not {value!r}", subject=value)
     return int(value)
 
 
