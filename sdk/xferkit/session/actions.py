@@ -16,8 +16,9 @@ registration with its group's roster server.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ..descriptors import Descriptors
 from ..manifest import Manifest
@@ -31,32 +32,28 @@ carries a serial: a lost pair's connection may stay open beside a new one to the
 address)."""
 
 
-@dataclass(slots=True, frozen=True)
-class Send:
+class Send(msgspec.Struct, frozen=True):
     """Send ``msg`` on ``conn`` (opened by ``Open`` first, for DEALER kinds)."""
 
     conn: Conn
     msg: wire.Message
 
 
-@dataclass(slots=True, frozen=True)
-class Open:
+class Open(msgspec.Struct, frozen=True):
     """Open a DEALER for ``conn`` (its name is the session address to reach). A refusal comes
     back as ``Protocol.refused``; a peer whose connection drops, as ``Protocol.disconnected``."""
 
     conn: Conn
 
 
-@dataclass(slots=True, frozen=True)
-class Close:
+class Close(msgspec.Struct, frozen=True):
     """Close ``conn``'s DEALER; ``linger_ms`` lets messages just queued on it still leave."""
 
     conn: Conn
     linger_ms: int = 0
 
 
-@dataclass(slots=True, frozen=True)
-class Connect:
+class Connect(msgspec.Struct, frozen=True):
     """Connect the backend to a decode rank's endpoint (data-plane worker); answered by
     ``Protocol.connected(key, peer, generation, error)``."""
 
@@ -65,15 +62,13 @@ class Connect:
     manifest: Manifest
 
 
-@dataclass(slots=True, frozen=True)
-class Disconnect:
+class Disconnect(msgspec.Struct, frozen=True):
     """Disconnect a backend peer once nothing of ours writes through it."""
 
     peer: Any
 
 
-@dataclass(slots=True, frozen=True)
-class Post:
+class Post(msgspec.Struct, frozen=True):
     """Post one write (data-plane worker); answered by ``Protocol.write_ended(wid, error)``.
 
     ``made`` is when the core asked for it and ``horizon`` how long a pause may last before
@@ -90,55 +85,48 @@ class Post:
     horizon: float
 
 
-@dataclass(slots=True, frozen=True)
-class Cancel:
+class Cancel(msgspec.Struct, frozen=True):
     """Abort write ``wid``; its ``write_ended`` comes once the driver let go of it."""
 
     wid: int
     why: str
 
 
-@dataclass(slots=True, frozen=True)
-class Fence:
+class Fence(msgspec.Struct, frozen=True):
     """Cut the lost prefill rank ``source``'s connections into our memory (``Backend.fence``,
     data-plane worker); answered by ``Protocol.fenced(source, error, new endpoint)``."""
 
     source: str
 
 
-@dataclass(slots=True, frozen=True)
-class Move:
+class Move(msgspec.Struct, frozen=True):
     """``handle`` moves forward to ``state`` (never back, never out of a terminal state)."""
 
     handle: Any
     state: State
 
 
-@dataclass(slots=True, frozen=True)
-class Failing:
+class Failing(msgspec.Struct, frozen=True):
     """``handle``'s request fails with ``error``; bytes may still land (draining)."""
 
     handle: Any
     error: RequestError
 
 
-@dataclass(slots=True, frozen=True)
-class Failed:
+class Failed(msgspec.Struct, frozen=True):
     """``handle`` is FAILED: no byte of its request can land any more."""
 
     handle: Any
     error: RequestError
 
 
-@dataclass(slots=True, frozen=True)
-class Done:
+class Done(msgspec.Struct, frozen=True):
     """``handle`` is DONE."""
 
     handle: Any
 
 
-@dataclass(slots=True, frozen=True)
-class Routed:
+class Routed(msgspec.Struct, frozen=True):
     """How ``handle``'s request went (``Routes``) and where its time went on this rank
     (``timeline``: stage -> ``Span``); comes just before its Done or Failed."""
 
@@ -147,15 +135,13 @@ class Routed:
     timeline: Mapping[str, Span]
 
 
-@dataclass(slots=True, frozen=True)
-class Paired:
+class Paired(msgspec.Struct, frozen=True):
     """A pair changed (``PairEvent``): for the engine's ``on_pair`` hook."""
 
     event: PairEvent
 
 
-@dataclass(slots=True, frozen=True)
-class Finished:
+class Finished(msgspec.Struct, frozen=True):
     """``rid`` reached a terminal state here: ``Session.progress`` reports it once."""
 
     rid: str
