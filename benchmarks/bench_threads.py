@@ -91,11 +91,12 @@ def run(requests: int, inflight: int) -> tuple[list[dict[str, Any]], float]:
     try:
         pair.one_by_one(50, [1], [2])
         pair.pipelined(10 * inflight, [1], [2], block=inflight)  # warm: plans, handshake
-        pids = {"decode": os.getpid(), "prefill": pair.proc.pid}
-        assert pids["prefill"] is not None
-        before = {side: cpu(pid) for side, pid in pids.items() if pid is not None}
+        child = pair.proc.pid
+        assert child is not None
+        pids = {"decode": os.getpid(), "prefill": child}
+        before = {side: cpu(pid) for side, pid in pids.items()}
         done, took = pair.pipelined(requests, [1], [2], block=inflight)
-        after = {side: cpu(pid) for side, pid in pids.items() if pid is not None}
+        after = {side: cpu(pid) for side, pid in pids.items()}
         told = {"decode": names(), "prefill": pair.ask("threads")}
     finally:
         pair.close()
