@@ -102,6 +102,19 @@ class Landed(msgspec.Struct, tag=True):
     slots: dict[str, tuple[list[int], list[int]]]
 
 
+class Scrub(msgspec.Struct, tag=True):
+    """Fill the staging no request holds now with ``value`` (``count``: bytes filled)."""
+
+    value: int
+
+
+class Stained(msgspec.Struct, tag=True):
+    """How many bytes of the staging ``Scrub`` filled no longer hold ``value`` (``count``, of
+    ``total``; ``error``: the first offset): what landed there after no request held it."""
+
+    value: int
+
+
 class Renew(msgspec.Struct, tag=True):
     """Decode side, before Expect: ask the sources to keep holding ``rid``."""
 
@@ -134,6 +147,8 @@ Command = (
     | Quit
     | Renew
     | Forget
+    | Scrub
+    | Stained
 )
 
 
@@ -206,6 +221,7 @@ def serve() -> None:
     ref: Reference | None = None
     index = 0
     handles: dict[str, Receive | Send] = {}
+    scrubbed: list[slice] = []  # the staging Scrub filled, as offsets into its buffer
     for line in sys.stdin:
         cmd = decoder.decode(line)
         started = time.monotonic()
@@ -280,6 +296,22 @@ def serve() -> None:
                     reply.total += differ.size
                     hit.update(int(r) for r in rows[differ.any(1)])
                 reply.error = " ".join(map(str, sorted(hit)))
+            elif isinstance(cmd, Scrub):
+                staging = session._staging  # the test's view of the Session's own buffer
+                base = staging.addr
+                gaps = list(session._protocol.s.arena._gaps)  # (address, length) held by none
+                scrubbed = [slice(a - base, a - base + n) for a, n in gaps]
+                for piece in scrubbed:
+                    staging.buffer[piece] = cmd.value
+                reply.count = sum(p.stop - p.start for p in scrubbed)
+            elif isinstance(cmd, Stained):
+                buffer = session._staging.buffer
+                for piece in scrubbed:
+                    differ = np.flatnonzero(buffer[piece] != cmd.value)
+                    if differ.size and not reply.count:
+                        reply.error = str(piece.start + int(differ[0]))
+                    reply.count += int(differ.size)
+                    reply.total += piece.stop - piece.start
             elif isinstance(cmd, Landed):
                 want = ref.expected(index, cmd.slots)
                 dst = {pool: pair[1] for pool, pair in cmd.slots.items()}
