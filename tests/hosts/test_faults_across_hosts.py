@@ -310,6 +310,7 @@ class Outcome:
     scrubbed: int = 0  # ... of this much staging (0: none to check, the direct route)
     next_state: str = ""
     next_exact: bool = False
+    next_error: str = ""  # the next request's root causes, if it failed
     error: str = ""  # an exception the case itself raised
 
     def line(self) -> str:
@@ -320,7 +321,7 @@ class Outcome:
             + f"; {self.late} B late in reused slots [{self.where}]"
             + ("" if self.seen is None else f" ({self.seen.before_resume} B before SIGCONT)")
             + f", {self.outside} B outside, {self.stained} B in free staging;"
-            + f" next {self.next_state} exact={self.next_exact} {self.error}"
+            + f" next {self.next_state} exact={self.next_exact} {self.next_error} {self.error}"
             + ("" if self.seen is None else f" done_exact={self.seen.done_exact}")
             + "".join(f"\n  {side}: {r.state} {r.failing}" for side, r in replies.items())
         )
@@ -359,8 +360,9 @@ def _case(pair: Pair, fault: str) -> Outcome:
     pair.dec.ok(Expect(nxt, [pair.pre.address], ASKED))
     pair.pre.ok(Offer(nxt))
     pair.pre.ok(Write(nxt, NEXT, last=True))
-    states = {r.ok(Wait(nxt, 30)).state for r in (pair.pre, pair.dec)}
-    out.next_state = "/".join(sorted(states))
+    ended = [r.ok(Wait(nxt, 30)) for r in (pair.pre, pair.dec)]
+    out.next_state = "/".join(sorted({r.state for r in ended}))
+    out.next_error = " | ".join(r.error for r in ended if r.error)
     exact = pair.dec.ok(Landed({k: (NEXT[k], ASKED[k]) for k in ASKED}))
     out.next_exact = exact.count == exact.total
     out.outside += pair.dec.ok(Stray(OTHER, SENTINEL)).count
@@ -488,14 +490,14 @@ IN_STAGING = (
 )
 STAINED = {
     ("mooncake", "freeze-prefill"): IN_STAGING
-    + "3.08 MB at SIGCONT after the 15 s drain bound (2 runs of 2, 2026-12-04)",
+    + "3.08 MB at SIGCONT after the 15 s drain bound (every one of 7 runs, 2026-12-04)",
     ("nixl", "freeze-prefill"): IN_STAGING
-    + "2.13 MB at SIGCONT after the 15 s drain bound (2 runs of 2)",
+    + "2.13 MB at SIGCONT after the 15 s drain bound (7 runs of 7)",
     ("mooncake", "restart-prefill"): IN_STAGING
     + "3.06 MB after FAILED: the SIGKILLed prefill's kernel still delivers its staged rounds "
-    "(2 runs of 2)",
+    "(7 runs of 7)",
     ("nixl", "restart-prefill"): IN_STAGING
-    + "3.71-3.78 MB after FAILED, what the killed prefill's kernel still sent (2 runs of 2; "
+    + "3.58-3.78 MB after FAILED, what the killed prefill's kernel still sent (7 runs of 7; "
     "not strict, as NIXL's direct restart case lands bytes in 1 run of 6)",
 }
 """Staged cases whose late bytes land in the staging no request holds, measured: the TCP
