@@ -72,8 +72,15 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     through a connection made from an endpoint of before lands here, whatever is in flight,
     and ``endpoint()`` has changed (a connection made from the new one works). A decode
     rank that loses a source then reports FAILED once fenced, not after the source's drain
-    bound. A NIC that invalidates the keys it gave the peer can; the bundled drivers
-    cannot (examples/tcp can)."""
+    bound. A NIC that invalidates the keys it gave the peer can, and so can a receiver
+    that applies frames itself (examples/tcp) or retires the registration the peer writes
+    to (Mooncake over TCP: see ``fence_cuts_all``)."""
+    fence_cuts_all: bool = False
+    """Whether ``fence`` cuts every peer's connections into this driver, not only the
+    source's: a driver that refuses by registration (Mooncake checks a write against what
+    its engine registered, not who sent it) retires the whole registration. The Session
+    then treats every pair made from the old endpoint as cut too: their requests fail
+    naming the lost source, and the next ones handshake with the new endpoint."""
 
     def __post_init__(self) -> None:
 
@@ -89,7 +96,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if problem:
                 raise OptionError(f"capabilities: {problem}")
-        for field in ("notifications", "cross_process", "fencing"):
+        for field in ("notifications", "cross_process", "fencing", "fence_cuts_all"):
             if type(getattr(self, field)) is not bool:
                 raise OptionError(f"capabilities: {field} must be a bool")
 

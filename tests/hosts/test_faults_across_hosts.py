@@ -428,15 +428,8 @@ NO_FENCE = (
     "source can still land, and they land in the reused slots: "
 )
 UNFENCED = {
-    ("mooncake", "never", "freeze-prefill"): NO_FENCE
-    + "4.70 MB of 6.3 MB in slots 0-47 at SIGCONT, none before (what was still inside "
-    "Mooncake's TCP transport when the prefill stopped)",
     ("nixl", "never", "freeze-prefill"): NO_FENCE
     + "2.08-3.07 MB of 6.3 MB in slots 0-47 at SIGCONT, none before (what UCX still held)",
-    ("mooncake", "never", "restart-prefill"): NO_FENCE
-    + "0.98-1.14 MB in slots 8..14-47 after FAILED: the SIGKILLed prefill's connection "
-    "closed, but its kernel's socket buffer still delivers and the decode's Mooncake server "
-    "writes it",
     ("nixl", "never", "restart-prefill"): NO_FENCE
     + "40,393 B in slots 28-33 after FAILED in 1 run of 6 (0 in the others): what the killed "
     "prefill's kernel still sent, written by the decode's UCX. Not strict: it passes mostly",
@@ -489,19 +482,14 @@ IN_STAGING = (
     "bytes of its source still land in them, where the next request may be unpacking: "
 )
 STAINED = {
-    ("mooncake", "freeze-prefill"): IN_STAGING
-    + "3.08 MB at SIGCONT after the 15 s drain bound (every one of 7 runs, 2026-12-04)",
     ("nixl", "freeze-prefill"): IN_STAGING
     + "2.13 MB at SIGCONT after the 15 s drain bound (7 runs of 7)",
-    ("mooncake", "restart-prefill"): IN_STAGING
-    + "3.06 MB after FAILED: the SIGKILLed prefill's kernel still delivers its staged rounds "
-    "(7 runs of 7)",
     ("nixl", "restart-prefill"): IN_STAGING
     + "3.58-3.78 MB after FAILED, what the killed prefill's kernel still sent (7 runs of 7; "
     "not strict, as NIXL's direct restart case lands bytes in 1 run of 6)",
 }
 """Staged cases whose late bytes land in the staging no request holds, measured: the TCP
-example, which fences, lands none."""
+example and Mooncake, which fence, land none."""
 
 
 def _staged(driver: str, fault: str) -> Any:

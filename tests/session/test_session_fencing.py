@@ -9,6 +9,7 @@ import signal
 import time
 
 from session_rank import (
+    BACKENDS,
     Expect,
     Fill,
     Landed,
@@ -75,4 +76,46 @@ def test_a_frozen_prefill_is_fenced_failed_at_once_and_lands_nothing_when_it_wak
         pre.ok(Write("r2", {"kv": [0, 1]}, last=True))
         assert dec.ok(Wait("r2", 10)).state == "DONE"
         landed = dec.ok(Landed({"kv": ([0, 1], [30, 31])}))
+        assert landed.count == landed.total > 0, landed
+
+
+def test_a_fence_that_cuts_every_source_fails_the_others_requests_and_they_pair_anew() -> None:
+    """Mooncake over TCP fences by retiring the engine every source writes to
+    (``capabilities.fence_cuts_all``): a decode rank that loses one prefill rank cuts the
+    other one's connections too. That one's request in flight turns FAILED at once on both
+    sides, naming the lost rank, and its next request handshakes with the new endpoint and
+    lands."""
+    setups = [
+        Setup(role, 0, 1, 1, "mooncake", BACKENDS["mooncake"], session=FAST, slots=SLOTS)
+        for role in ("src", "src", "dst")
+    ]
+    with ranks(*setups) as (lost, other, dec):
+        for i, pre in enumerate((lost, other)):  # both pairs up
+            dec.ok(Expect(f"warm{i}", [pre.address], {"kv": [i]}))
+            pre.ok(Offer(f"warm{i}"))
+            pre.ok(Write(f"warm{i}", {"kv": [i]}, last=True))
+            assert dec.ok(Wait(f"warm{i}", 10)).state == "DONE"
+        dec.ok(Expect("r", [lost.address], {"kv": [4]}))
+        dec.ok(Expect("cut", [other.address], {"kv": [5]}))
+        other.ok(Offer("cut"))  # its data is not written yet
+        _paired(dec, "r")
+        _paired(dec, "cut")
+        os.kill(lost.proc.pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            got = dec.ok(Wait("r", 10))
+            failed_after = time.monotonic() - stopped
+            cut = dec.ok(Wait("cut", 5))
+        finally:
+            os.kill(lost.proc.pid, signal.SIGCONT)
+        assert got.state == "FAILED", f"not FAILED 10 s after the stop: {got}"
+        assert failed_after < 4 * FAST["dead_after_s"], f"FAILED after {failed_after:.1f} s"
+        assert cut.state == "FAILED", cut
+        assert "fences every peer at once" in cut.error and lost.address in cut.error, cut
+        assert other.ok(Wait("cut", 5)).state == "FAILED"
+        dec.ok(Expect("next", [other.address], {"kv": [6]}))
+        other.ok(Offer("next"))
+        other.ok(Write("next", {"kv": [2]}, last=True))
+        assert dec.ok(Wait("next", 10)).state == "DONE"
+        landed = dec.ok(Landed({"kv": ([2], [6])}))
         assert landed.count == landed.total > 0, landed

@@ -69,6 +69,19 @@ def test_a_driver_that_fences_survives_a_transport_that_stops_with_its_process()
     assert found == [], found[0]
 
 
+def test_a_driver_whose_fence_cuts_every_source_survives_the_same_schedules() -> None:
+    """Decode drivers whose fence cuts every source's links at once (Mooncake over TCP
+    retires the registration they all write to), two prefill instances of TP 2: the pairs
+    cut with a lost source fail their requests before any of their writes could land, and
+    nothing lands after FAILED."""
+    config = Config(
+        prefill_tp=2, decode_tp=2, instances=2, faults=FAULTS | {"frozen"}, fencing=True,
+        fence_cuts_all=True,
+    )  # fmt: skip
+    found = [v for s in range(60) for v in run(s, config).violations]
+    assert found == [], found[0]
+
+
 def test_a_driver_that_lands_bytes_after_a_write_ended_is_caught() -> None:
     """The harsh ``late`` driver (UCX over TCP did this) breaks invariant 1, which no
     control plane can prevent without fencing: the checker must see it."""
@@ -122,7 +135,7 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     staging=st.sampled_from(["never", "auto", "always"]),
     staging_bytes=st.sampled_from([1 << 14, 1 << 16]),
     notifying=st.booleans(),
-    fencing=st.booleans(),
+    fencing=st.sampled_from(["no", "source", "all"]),  # what a decode driver's fence cuts
     packer=st.booleans(),  # staged rounds pack on the Session's worker, or in the core's call
     skip=st.sampled_from([0.0, 0.0, 0.5]),  # the share of decode ranks holding a prefix
     layered=st.sampled_from([0.0, 0.0, 0.5]),  # the share of prefill ranks writing per layer
@@ -131,13 +144,14 @@ def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
     seed: int, prefill: int, stages: int, instances: int, decode: int, decode_stages: int,
     decodes: int, requests: int,
     faults: frozenset[str], heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
-    notifying: bool, fencing: bool, packer: bool, skip: float, layered: float,
+    notifying: bool, fencing: str, packer: bool, skip: float, layered: float,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, prefill_pp=stages, instances=instances, decode_tp=decode,
         decode_pp=decode_stages, decode_instances=decodes, requests=requests, faults=faults,
         heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after, staging=staging,
-        staging_bytes=staging_bytes, notifying=notifying, fencing=fencing, packer=packer,
+        staging_bytes=staging_bytes, notifying=notifying, fencing=fencing != "no",
+        fence_cuts_all=fencing == "all", packer=packer,
         skip=skip, layered=layered,
     )  # fmt: skip
     result = run(seed, config)

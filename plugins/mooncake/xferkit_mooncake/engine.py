@@ -12,7 +12,8 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 
 from mooncake.engine import TransferEngine
 
@@ -91,14 +92,44 @@ def pick_protocol(protocol: str | None, devices: Mapping[str, str]) -> str:
     return "tcp"
 
 
-def start(hostname: str, protocol: str, device: str) -> tuple[TransferEngine, str]:
-    """A started engine and its segment name, ``host:rpc_port``."""
-    engine = TransferEngine()
-    check(
-        engine.initialize(hostname, "P2PHANDSHAKE", protocol, device),
-        f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r})",
-    )
-    return engine, f"{hostname}:{engine.get_rpc_port()}"
+AVOID_TRIES = 8
+"""Starts before an engine that took a fenced engine's port is kept (ports are drawn from
+about 2,000, so one retry is rare and eight in a row never seen)."""
+
+_starting = threading.Lock()  # one engine starts at a time: its data port is the new listener
+
+
+def start(
+    hostname: str, protocol: str, device: str, avoid: frozenset[int] = frozenset()
+) -> tuple[TransferEngine, str, int | None]:
+    """A started engine, its segment name (``host:rpc_port``) and, over TCP, the port its
+    transport accepts peers' writes on (None where it cannot be told). An engine that took a
+    port in ``avoid`` (a fenced engine's: peers cut off may still try it) is stopped and
+    another started, a few times at most."""
+    for tries in range(1, AVOID_TRIES + 1):
+        engine, segment, data = _start(hostname, protocol, device)
+        taken = {int(segment.rsplit(":", 1)[1]), data} & avoid
+        if not taken or tries == AVOID_TRIES:
+            return engine, segment, data
+        log.info("mooncake: the new engine took port %s of a fenced one: another", taken)
+        stop(engine, segment)
+        del engine  # the last reference: destroyed now, its ports free
+    raise AssertionError("unreachable")
+
+
+def _start(hostname: str, protocol: str, device: str) -> tuple[TransferEngine, str, int | None]:
+    with _starting:
+        before = _listening_ports() if protocol == "tcp" else set()
+        engine = TransferEngine()
+        check(
+            engine.initialize(hostname, "P2PHANDSHAKE", protocol, device),
+            f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, {device!r})",
+        )
+        rpc = engine.get_rpc_port()
+        # The binding names only the handshake port; the transport's listener is the other one
+        # this start opened (another thread of the process opening one meanwhile makes two).
+        new = _listening_ports() - before - {rpc} if protocol == "tcp" else set()
+    return engine, f"{hostname}:{rpc}", new.pop() if len(new) == 1 else None
 
 
 def stop(engine: TransferEngine, segment: str) -> None:
@@ -121,10 +152,38 @@ def stop(engine: TransferEngine, segment: str) -> None:
 
 def _listening_socket(port: int) -> socket.socket | None:
     """A duplicate of this process's TCP socket listening on ``port``, if any."""
+    found = None
+    for sock in _tcp_sockets():
+        try:
+            if found is None and _listening(sock) and sock.getsockname()[1] == port:
+                found = sock
+                continue
+        except OSError:
+            pass
+        sock.close()
+    return found
+
+
+def _listening_ports() -> set[int]:
+    ports = set()
+    for sock in _tcp_sockets():
+        with sock, contextlib.suppress(OSError):
+            if _listening(sock):
+                ports.add(sock.getsockname()[1])
+    return ports
+
+
+def _listening(sock: socket.socket) -> bool:
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def _tcp_sockets() -> Iterator[socket.socket]:
+    """Duplicates of this process's TCP sockets (Linux: /proc/self/fd; elsewhere none); the
+    caller closes each."""
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
-        return None
+        return
     for name in fds:
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -132,15 +191,7 @@ def _listening_socket(port: int) -> socket.socket | None:
             sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:
             continue
-        try:
-            if (
-                sock.family in (socket.AF_INET, socket.AF_INET6)
-                and sock.type == socket.SOCK_STREAM
-                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                and sock.getsockname()[1] == port
-            ):
-                return sock
-        except OSError:
-            pass
-        sock.close()
-    return None
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            yield sock
+        else:
+            sock.close()

@@ -52,13 +52,16 @@ class Holdings:
     def __init__(self) -> None:
         self._run_of: dict[int, int] = {}  # region address -> start of its engine buffer
         self._refs: dict[int, int] = {}  # buffer start -> regions in it, in registration order
+        self._lengths: dict[int, int] = {}  # buffer start -> its length
 
     def add(self, runs: Runs, regions: Sequence[Region]) -> None:
         self._refs.update(zip(runs.starts, runs.counts, strict=True))
+        self._lengths.update(zip(runs.starts, runs.lengths, strict=True))
         self._run_of.update(zip((r.addr for r in regions), runs.of_region, strict=True))
 
     def add_one(self, region: Region) -> None:
         self._refs[region.addr] = 1
+        self._lengths[region.addr] = region.nbytes
         self._run_of[region.addr] = region.addr
 
     def remove(self, region: Region) -> int | None:
@@ -70,15 +73,21 @@ class Holdings:
         if self._refs[start]:
             return None
         del self._refs[start]
+        del self._lengths[start]
         return start
 
     def starts(self) -> list[int]:
         """Every engine buffer held now."""
         return list(self._refs)
 
+    def lengths(self) -> list[int]:
+        """Their lengths, in the order of ``starts``."""
+        return [self._lengths[start] for start in self._refs]
+
     def clear(self) -> None:
         self._run_of.clear()
         self._refs.clear()
+        self._lengths.clear()
 
     def anchor(self) -> int:
         """A registered address (the first buffer's start), 0 when none is."""

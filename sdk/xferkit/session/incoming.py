@@ -264,21 +264,35 @@ class Incoming:
         if not self.s.fencing:
             self._stopped(up.address)
 
-    def fenced(self, source: str, error: str, endpoint: bytes) -> None:
+    def fenced(self, source: str, error: str, endpoint: bytes) -> str | None:
         """The driver cut ``source``'s connections into our memory and gave a new endpoint
-        for the next handshakes (``error``: it could not; what waited drains to its bound)."""
+        for the next handshakes (``error``: it could not; what waited drains to its bound).
+        The lost rank's address, when a fence was waited for."""
         if endpoint:
             self.pairs.endpoint = endpoint
         waiting = self.fences.get(source)
         if not waiting:
-            return
+            return None
         address = waiting.pop(0)
         if not waiting:
             del self.fences[source]
         if error:
             log.error("%s: fencing %s: %s", self.s.address, source, error)
-        else:
-            self._stopped(address)
+            return None
+        self._stopped(address)
+        if self.s.fence_cuts_all:  # the fences still to come were for links it cut too
+            for addresses in self.fences.values():
+                for other in addresses:
+                    self._stopped(other)
+        return address
+
+    def pair_cut(self, up: Up, why: str, lost: str, now: float) -> None:
+        """``up``'s connections into our memory were cut by a fence for ``lost`` (a driver that
+        fences every peer at once): its requests fail naming ``lost``, FAILED at once (nothing
+        it sends can land any more); their Aborts tell it to stop."""
+        for rec in [r for r in self.recvs.values() if up.address in r.sources]:
+            self.fail(rec, "peer lost", why, lost, now)
+        self._stopped(up.address)
 
     def _waited_for(self, address: str) -> bool:
         return any(address in r.acks for r in self.recvs.values())

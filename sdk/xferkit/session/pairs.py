@@ -57,6 +57,7 @@ class Up:
         self.welcome: wire.Welcome | None = None
         self.manifest: Manifest | None = None
         self.driver_name = ""
+        self.endpoint = b""  # ours, as its Hello carried it (a fence that cuts all ends it)
         self.hello_at = now
         self.last_seen = now
         self.last_ping = now
@@ -161,6 +162,7 @@ class Pairs:
         hello = wire.Hello(
             **self._me(), pp_rank=s.pp_rank, pp_size=s.pp_size, resume=s.resume(address)
         )
+        up.endpoint = self.endpoint
         self.out.send(up.conn, hello)
         return up
 

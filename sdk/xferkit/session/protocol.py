@@ -30,6 +30,8 @@ from .sources import Sources
 
 LINGER_MS = 500
 """How long a connection closed right after its last messages were queued keeps sending them."""
+CUT_ALL = "this rank's driver fences every peer at once (capabilities.fence_cuts_all)"
+"""Said by the requests a fence for another source cut (``Protocol._cut``)."""
 
 
 class Protocol:
@@ -268,8 +270,23 @@ class Protocol:
 
     def fenced(self, source: str, error: str, endpoint: bytes, now: float) -> list[act.Action]:
         self._enter(now)
-        self.incoming.fenced(source, error, endpoint)
+        lost = self.incoming.fenced(source, error, endpoint)
+        if endpoint and not error and self.s.fence_cuts_all:
+            for up in [u for u in self.pairs.ups.values() if u.endpoint != endpoint]:
+                self._cut(up, lost or source, now)
         return self.out.take()
+
+    def _cut(self, up: Up, lost: str, now: float) -> None:
+        """A fence for ``lost`` cut ``up``'s links too (``fence_cuts_all``): fail what needs it,
+        say Bye (it writes nothing more to us), and handshake anew with our new endpoint at
+        its next request, without a backoff: it did nothing wrong."""
+        why = f"{up.where()} was cut off with {lost}: {CUT_ALL}; its next request handshakes anew"
+        log.warning("%s: %s", self.s.address, why)
+        self.incoming.pair_cut(up, why, lost, now)
+        if up.ready:
+            self.out.send(up.conn, wire.Bye(incarnation=self.s.incarnation, reason=why))
+        self.pairs.drop_up(up, now, why, linger_ms=LINGER_MS)
+        self.pairs.backoff.pop(up.address, None)
 
     def write_ended(self, wid: int, error: str, now: float) -> list[act.Action]:
         return self.writes_ended([(wid, error, 0.0)], now)

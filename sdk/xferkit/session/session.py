@@ -197,6 +197,7 @@ class Session(Closing):
             fingerprint=fingerprint(manifest),
             notifying=caps.notifications,
             fencing=caps.fencing,
+            fence_cuts_all=caps.fence_cuts_all,
             descriptor_bytes=caps.descriptor_bytes,
             copy_cost=caps.copy_cost,
             staging=staging,

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staging", choices=["never", "auto", "always"], default="auto")
     ap.add_argument("--written", action="store_true", help="a driver without notifications")
     ap.add_argument("--fencing", action="store_true", help="decode drivers fence lost sources")
+    ap.add_argument(
+        "--fence-cuts-all", action="store_true", help="with --fencing: a fence cuts every source"
+    )
     ap.add_argument("--packer", action="store_true", help="staged rounds pack on a worker")
     ap.add_argument(
         "--faults", type=_faults, default=FAULTS,
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests, faults=args.faults, staging=args.staging,
         notifying=not args.written,
         fencing=args.fencing,
+        fence_cuts_all=args.fence_cuts_all,
         packer=args.packer,
     )  # fmt: skip
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)

@@ -67,6 +67,7 @@ class Config:
     layered: float = 0.0  # the share whose prefill writes each chunk layer by layer
     notifying: bool = True  # the driver carries completions; False: ``Written`` on the socket
     fencing: bool = False  # decode drivers fence a lost source (``Capabilities.fencing``)
+    fence_cuts_all: bool = False  # ... and every other source with it (Mooncake's way)
     packer: bool = False  # staged rounds pack on a worker (the Session's), not in the call
     max_unoffered: int = MAX_UNOFFERED  # the prefill's bound; small, a flood reaches it
     kv_slots: int = 16

@@ -11,7 +11,9 @@ and have not landed never land (the kernel tears its queues down first).
 Under ``Config.fencing`` a decode rank's driver fences a source as a NIC that
 invalidates the keys it gave would: the links made from its endpoints of
 before land nothing more, whatever is in flight (late and frozen writes
-included), and its endpoint carries the next epoch.
+included), and its endpoint carries the next epoch; under ``Config.fence_cuts_all`` the
+links every other source made from those endpoints land nothing more either (a driver that
+refuses by registration, as Mooncake over TCP).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Driver:
         self.writes: dict[tuple[str, int], Write] = {}  # (prefill rank, wid) -> not ended
         self.epochs: dict[str, int] = {}  # decode rank -> the fences its driver made
         self.fenced: dict[tuple[str, str], int] = {}  # (decode, source) -> links up to it cut
+        self.fenced_all: dict[str, int] = {}  # decode -> every source's links up to it cut
 
     def pending(self, rank: Rank) -> int:
         return sum(1 for (pre, _), wr in self.writes.items() if pre == rank.name)
@@ -99,12 +102,15 @@ class Driver:
             return
         epoch = self.epochs.get(rank.name, 0)
         self.fenced[rank.name, source] = epoch
+        if self.w.config.fence_cuts_all:
+            self.fenced_all[rank.name] = epoch
         self.epochs[rank.name] = epoch + 1
         self.w.to(rank, self.w.now, "fenced", source, "", endpoint(rank.name, epoch + 1))
 
     def _cut(self, wr: Write) -> bool:
         source = self.w.ranks[wr.pre].driver_name
-        return self.fenced.get((wr.peer[1], source), -1) >= wr.peer[3]
+        cut = max(self.fenced.get((wr.peer[1], source), -1), self.fenced_all.get(wr.peer[1], -1))
+        return cut >= wr.peer[3]
 
     def post(self, rank: Rank, a: act.Post) -> None:
         if a.note is not None:
@@ -222,3 +228,4 @@ class Driver:
         self.epochs.pop(rank.name, None)  # a new process: a new driver
         for fence in [k for k in self.fenced if k[0] == rank.name]:
             del self.fenced[fence]
+        self.fenced_all.pop(rank.name, None)

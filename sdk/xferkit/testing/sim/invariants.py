@@ -31,6 +31,7 @@ from ...descriptors import Descriptors
 from ...session import actions as act
 from ...session import wire
 from ...session.core import MAX_EARLY, MAX_PAIRS, REMEMBERED
+from ...session.protocol import CUT_ALL
 from ...session.states import State
 from .hostile import FORGED, HOSTILE
 
@@ -176,6 +177,8 @@ class Checker:
         text = str(error)
         if h.use.reused or self.asked_hostile(h.use) or HOSTILE not in text:
             return
+        if self.w.config.fence_cuts_all and CUT_ALL in text:
+            return  # a fence for the lost hostile prefill, which a request asked, cut every pair
         if h.side == "decode":  # the hostile prefill's messages: for what it was asked only
             if FORGED in text and not any(
                 HOSTILE in self.w.claims.get((p, h.request_id), ()) for p in self.w.prefill

@@ -102,6 +102,7 @@ class Rank:
             fingerprint="sim",
             notifying=c.notifying,
             fencing=c.fencing,
+            fence_cuts_all=c.fencing and c.fence_cuts_all,
             max_unoffered=c.max_unoffered,
             heartbeat_s=c.heartbeat_s,
             dead_after_s=c.dead_after_s,
