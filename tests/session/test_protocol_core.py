@@ -116,6 +116,18 @@ def test_a_hello_naming_this_ranks_own_or_a_live_pairs_endpoint_is_refused() -> 
     assert net.handles["dec", "r"].state is State.DONE
 
 
+def test_a_hello_naming_this_ranks_endpoint_after_a_fence_is_refused() -> None:
+    """A rank whose driver fenced (a decode role) has a new driver address, which its Welcomes
+    now carry: a Hello naming it is its own memory as much as the first one was."""
+    net = Net(fencing=True, fence_cuts_all=True)
+    net.handshake()
+    net.apply("pre", net.pre.fenced("loopback:p-drv", "", endpoint("p-drv2"), net.now))
+    net.inject(b"X", _hello(net, "tcp://x", "p-drv2"))
+    (welcome,) = _welcomes(net, b"X")
+    assert welcome.stage == "handshake" and "this rank's own memory" in welcome.error, welcome
+    assert [c.key for c in net.connects] == [b"D"]
+
+
 def _starve(net: Net) -> None:
     """The prefill's answers stop reaching the decode rank (a busy machine holds its Pongs) while
     both run and the prefill hears the decode's Pings: the decode declares the pair lost."""

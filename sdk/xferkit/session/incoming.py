@@ -269,7 +269,7 @@ class Incoming:
         for the next handshakes (``error``: it could not; what waited drains to its bound).
         The lost rank's address, when a fence was waited for."""
         if endpoint:
-            self.pairs.endpoint = endpoint
+            self.pairs.renew(endpoint)
         waiting = self.fences.get(source)
         if not waiting:
             return None

@@ -15,6 +15,7 @@ needs it after a bounded exponential backoff: never a permanent blacklist.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import random
@@ -142,6 +143,15 @@ class Pairs:
         self.downs: dict[bytes, Down] = {}
         self.down_drivers: dict[str, Down] = {}
         self.endpoint = s.endpoint  # new after each fence: links from the old one are cut
+        self.driver_name = s.driver_name  # ours, "backend:address": new after each fence too
+
+    def renew(self, endpoint: bytes) -> None:
+        """Our driver's endpoint after a fence: the next handshakes carry it, and a peer
+        naming its address (our own memory) is refused as the first one was (the engine
+        behind the old one is gone)."""
+        self.endpoint = endpoint
+        with contextlib.suppress(ProtocolError):
+            self.driver_name = f"{self.s.backend}:{endpoint_address(endpoint)}"
 
     # -- decode side -----------------------------------------------------------------
 
@@ -211,7 +221,7 @@ class Pairs:
         except (ProtocolError, ManifestError) as exc:
             return ("handshake", f"{up.address} sent a malformed introduction: {exc}")
         holder = self.by_driver.get(driver)
-        if driver == self.s.driver_name or (holder is not None and holder is not up):
+        if driver == self.driver_name or (holder is not None and holder is not up):
             who = "this rank" if holder is None else holder.where()
             return ("handshake", f"{up.address} named the driver address of {who} ({driver})")
         up.welcome, up.driver_name = msg, driver
@@ -263,7 +273,7 @@ class Pairs:
         if msg.backend != self.s.backend:
             why = f"{where} uses backend {self.s.backend}, {msg.address} uses {msg.backend}"
             return self._refuse(down, "handshake", why)
-        if driver == self.s.driver_name or holder is not None:
+        if driver == self.driver_name or holder is not None:
             # Who it claims to be is wrong: nothing of it is kept, nothing it says counts.
             who = "this rank's own memory" if holder is None else f"the memory of {holder.where()}"
             why = f"{msg.address}'s endpoint names {who} ({driver}): refused"
