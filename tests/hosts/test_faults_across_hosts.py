@@ -423,33 +423,11 @@ def matrix() -> Iterator[dict[tuple[str, str, str], Outcome]]:
         yield results
 
 
-NO_FENCE = (
-    "no receive-side fence (issue 21): the decode rank reports FAILED while bytes of the "
-    "source can still land, and they land in the reused slots: "
-)
-UNFENCED = {
-    ("nixl", "never", "freeze-prefill"): NO_FENCE
-    + "2.08-3.07 MB of 6.3 MB in slots 0-47 at SIGCONT, none before (what UCX still held)",
-    ("nixl", "never", "restart-prefill"): NO_FENCE
-    + "40,393 B in slots 28-33 after FAILED in 1 run of 6 (0 in the others): what the killed "
-    "prefill's kernel still sent, written by the decode's UCX. Not strict: it passes mostly",
-    ("nixl", "never", "crawl"): NO_FENCE
-    + "5.92 MB in slots 0-47 after the decode's 15 s drain bound in 1 fresh-clone run (0 in "
-    "every earlier one): the prefill's cancelled transfer still in its kernel's socket "
-    "buffers, delivered at 8 kbit/s and written by the decode's UCX. Not strict: it passes "
-    "mostly",
-}
-SOMETIMES = {("nixl", "never", "restart-prefill"), ("nixl", "never", "crawl")}
-
-
-def _param(driver: str, staging: str, fault: str) -> Any:
-    why = UNFENCED.get((driver, staging, fault))
-    strict = (driver, staging, fault) not in SOMETIMES
-    marks = [pytest.mark.xfail(strict=strict, reason=why)] if why else []
-    return pytest.param(driver, staging, fault, id=f"{driver}-{staging}-{fault}", marks=marks)
-
-
-CASES = [_param(driver, staging, fault) for driver, staging in LANES for fault in FAULTS]
+CASES = [
+    pytest.param(driver, staging, fault, id=f"{driver}-{staging}-{fault}")
+    for driver, staging in LANES
+    for fault in FAULTS
+]
 
 
 @pytest.mark.parametrize(("driver", "staging", "fault"), CASES)
@@ -477,29 +455,7 @@ def test_a_fault_across_hosts_ends_both_sides_and_lands_nothing_in_reused_slots(
     assert out.next_state == "DONE" and out.next_exact, report
 
 
-IN_STAGING = (
-    "no receive-side fence (issue 21): the staged request's slices went back at FAILED and "
-    "bytes of its source still land in them, where the next request may be unpacking: "
-)
-STAINED = {
-    ("nixl", "freeze-prefill"): IN_STAGING
-    + "2.13 MB at SIGCONT after the 15 s drain bound (7 runs of 7)",
-    ("nixl", "restart-prefill"): IN_STAGING
-    + "3.58-3.78 MB after FAILED, what the killed prefill's kernel still sent (7 runs of 7; "
-    "not strict, as NIXL's direct restart case lands bytes in 1 run of 6)",
-}
-"""Staged cases whose late bytes land in the staging no request holds, measured: the TCP
-example and Mooncake, which fence, land none."""
-
-
-def _staged(driver: str, fault: str) -> Any:
-    why = STAINED.get((driver, fault))
-    strict = (driver, fault) != ("nixl", "restart-prefill")
-    marks = [pytest.mark.xfail(strict=strict, reason=why)] if why else []
-    return pytest.param(driver, fault, id=f"{driver}-{fault}", marks=marks)
-
-
-@pytest.mark.parametrize(("driver", "fault"), [_staged(d, f) for d in DRIVERS for f in FAULTS])
+@pytest.mark.parametrize(("driver", "fault"), [(d, f) for d in DRIVERS for f in FAULTS])
 def test_a_fault_lands_nothing_in_the_staging_of_a_request_that_ended(
     matrix: dict[tuple[str, str, str], Outcome], driver: str, fault: str
 ) -> None:

@@ -6,16 +6,25 @@ NIXL holds one metadata per remote agent name: ``connect`` loads a peer's in
 place of an older one, and it stays after the last disconnect (removing it
 frees no socket until close). NIXL keeps a failed UCX endpoint until the
 metadata is removed, so the first post after a failed request reloads it.
+
+A fence (``fence``) registers the memory in a new agent, under a new name,
+switches to it and destroys the old one, which closes the old agent's UCX
+connections: a peer's write then lands only where UCX needs the receiving agent
+to apply it (``ucx_env.fencing``: UCX_TLS=tcp, say), so only there is fencing
+declared. Destroying the agent cuts every peer at once (``fence_cuts_all``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
+import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -35,11 +44,14 @@ from xferkit.driver import (
     ProtocolError,
     Region,
     Status,
+    rdma_devices,
 )
 
-from . import ucx_env
+from . import sockets, ucx_env
 from .memory import Kind, Kinds, gpu_visible, memory_kind, rows, split_by_kind
 from .nixl_api import describe, error, load, new_agent
+
+log = logging.getLogger("xferkit.nixl")
 
 _names = itertools.count(1)
 
@@ -48,6 +60,10 @@ DESCRIPTOR_BYTES = 27_000
 """About 2 us per descriptor at 12 GB/s (benchmarks/bench_staging.py)."""
 COPY_COST = 1.9
 """Its large copies run at 1.9x the local copier's strided pack (benchmarks/bench_staging.py)."""
+FENCE_S = 15.0
+"""How long a fence waits, once it has dropped the old agent, for its last references to go:
+a call into it still running on another thread (the release of a request in flight, which
+NIXL may drain for up to 10 s, ``NIXL_UCX_REQUEST_DRAIN_TIMEOUT``, among them)."""
 
 
 class NixlOptions(DriverOptions, frozen=True):
@@ -108,10 +124,17 @@ class _nixl:  # a class, not a generator: it runs several times per write
 class _Xfer(Posted):
     """One posted batch: one NIXL request, or one per memory-kind pair when kinds mix."""
 
-    __slots__ = ("_agent", "_error", "_handles", "_link", "_lock", "_notify", "_pending", "_status")
+    __slots__ = (
+        "_agent", "_error", "_handles", "_link", "_lock", "_notify", "_owner", "_pending",
+        "_status",
+    )  # fmt: skip
 
-    def __init__(self, agent: Any, link: _Link, handles: list, states: list, notify: bytes | None):
+    def __init__(
+        self, agent: Any, link: _Link, handles: list, states: list, notify: bytes | None,
+        owner: set[_Xfer],
+    ) -> None:  # fmt: skip
         self._agent, self._link, self._handles = agent, link, handles
+        self._owner = owner  # the batches not yet released of its agent (a fence cuts them)
         self._pending = [h for h, st in zip(handles, states, strict=True) if st != "DONE"]
         self._notify = notify  # sent with send_notif once every request is done
         self._status, self._error = Status.PENDING, ""
@@ -161,19 +184,35 @@ class _Xfer(Posted):
 
     def release(self) -> None:
         """Free NIXL's handles; NIXL cancels a request in flight (draining it up to 10 s)."""
+        self._owner.discard(self)
         with self._lock:
             handles, self._handles, self._pending = self._handles, [], []
             if self._status is Status.PENDING:
                 self._status, self._error = Status.FAILED, "released before it completed"
-        failed: list[Exception] = []
-        for h in handles:  # every one, whichever raises (an ExitStack costs 1.5 us per write)
-            try:
-                h.release()
-            except Exception as exc:
-                failed.append(exc)
-        if failed:
+        if failed := _release(handles):
             with _nixl("release_xfer_handle"):
                 raise failed[0]
+
+    def cut(self, why: str) -> list[Exception]:
+        """Its agent is about to be destroyed (a fence): free NIXL's handles now, FAILED unless
+        it ended, and never call into that agent again. Returns what the releases raised."""
+        with self._lock:
+            handles, self._handles, self._pending = self._handles, [], []
+            self._agent = None  # poll() answers from the status from now on
+            if self._status is Status.PENDING:
+                self._fail(why)
+        return _release(handles)
+
+
+def _release(handles: list) -> list[Exception]:
+    """Release every handle, whichever raises (an ExitStack costs 1.5 us per write)."""
+    failed: list[Exception] = []
+    for h in handles:
+        try:
+            h.release()
+        except Exception as exc:
+            failed.append(exc)
+    return failed
 
 
 class NixlDriver(Driver):
@@ -184,41 +223,67 @@ class NixlDriver(Driver):
     Options: ClassVar[type[DriverOptions]] = NixlOptions
 
     def __init__(self, options: NixlOptions | None = None) -> None:
-        opts = options if options is not None else NixlOptions()
-        agent_prefix, progress_thread = opts.agent_prefix, opts.progress_thread
-        progress_delay_us = opts.progress_delay_us
-        caps = Capabilities(
+        self._opts = opts = options if options is not None else NixlOptions()
+        self.env_notes = ucx_env.apply_defaults()  # before the first agent of the process
+        self._api, self._bindings = load()
+        self._segments = {"DRAM": self._bindings.DRAM_SEG, "VRAM": self._bindings.VRAM_SEG}
+        # UCX reads UCX_TLS at each agent's creation: a fence's new agent must see this one.
+        self._tls = os.environ.get("UCX_TLS")
+        fences, self.fence_note = ucx_env.fencing(self._tls, rdma_devices(), gpu_visible())
+        if fences and tuple(opts.backends) != ("UCX",):
+            fences, self.fence_note = False, (
+                f"backends {list(opts.backends)}: a fence is shown for the UCX backend alone"
+            )  # fmt: skip
+        log.debug("nixl: fencing %s: %s", "declared" if fences else "not declared", self.fence_note)
+        self._fences = fences
+        self.address, self._agent, self._sockets = self._start_agent()
+        vram = all("VRAM_SEG" in self._agent.get_backend_mem_types(b) for b in opts.backends)
+        self.capabilities = Capabilities(
+            memory=frozenset({"cpu", "cuda"} if vram and gpu_visible() else {"cpu"}),
             notifications=True,
             cross_process=True,
             max_batch=opts.max_batch,
             descriptor_bytes=DESCRIPTOR_BYTES,
             copy_cost=COPY_COST,
+            fencing=fences,
+            fence_cuts_all=fences,
         )
-        self.env_notes = ucx_env.apply_defaults()  # before the first agent of the process
-        api, self._bindings = load()
-        self._segments = {"DRAM": self._bindings.DRAM_SEG, "VRAM": self._bindings.VRAM_SEG}
-        self.address = f"{agent_prefix}-{os.getpid()}-{next(_names)}-{uuid.uuid4().hex[:8]}"
-        config = api.nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            enable_listen_thread=False,
-            backends=list(opts.backends),
-        )
-        try:
-            self._agent = new_agent(api, self._bindings, self.address, config, progress_delay_us)
-        except Exception as exc:
-            raise PluginError(f"nixl: creating agent {self.address}: {describe(exc)}") from exc
-        if missing := [b for b in opts.backends if b not in self._agent.backends]:
-            plugins, self._agent = self._agent.get_plugin_list(), None  # released now
-            raise OptionError(
-                f"nixl: agent {self.address} could not create backend(s) {missing}; "
-                f"NIXL plugins here: {plugins}"
-            )
-        vram = all("VRAM_SEG" in self._agent.get_backend_mem_types(b) for b in opts.backends)
-        memory = {"cpu", "cuda"} if vram and gpu_visible() else {"cpu"}
-        self.capabilities = msgspec.structs.replace(caps, memory=frozenset(memory))
         self._regs: dict[tuple[int, int, str], Any] = {}  # (addr, nbytes, device) -> NIXL's
         self._here: Kinds | None = None  # the registered regions' kinds, built when needed
         self._remotes: dict[str, _Link] = {}  # agent name -> the link whose metadata NIXL holds
+        self._xfers: set[_Xfer] = set()  # the current agent's batches not yet released
+        # Held while a post picks its agent (and loads a peer's metadata into it), and while a
+        # fence switches agents: a batch is registered with the agent it was posted on.
+        self._lock = threading.Lock()
+
+    def _start_agent(self) -> tuple[str, Any, sockets.Owned | None]:
+        """A new agent under a new name (the prefix, the pid, a count, random hex digits), and,
+        where a fence may come, the sockets it opened (``sockets``: silenced when it is fenced)."""
+        opts = self._opts
+        name = f"{opts.agent_prefix}-{os.getpid()}-{next(_names)}-{uuid.uuid4().hex[:8]}"
+        config = self._api.nixl_agent_config(
+            enable_prog_thread=opts.progress_thread,
+            enable_listen_thread=False,
+            backends=list(opts.backends),
+        )
+        with sockets.creating if self._fences else contextlib.nullcontext():
+            before = sockets.snapshot() if self._fences else {}
+            try:
+                agent = new_agent(self._api, self._bindings, name, config, opts.progress_delay_us)
+            except Exception as exc:
+                raise PluginError(f"nixl: creating agent {name}: {describe(exc)}") from exc
+            after = sockets.snapshot() if self._fences else {}
+        if missing := [b for b in opts.backends if b not in agent.backends]:
+            plugins, agent = agent.get_plugin_list(), None  # released now
+            raise OptionError(
+                f"nixl: agent {name} could not create backend(s) {missing}; "
+                f"NIXL plugins here: {plugins}"
+            )
+        if not self._fences:
+            return name, agent, None
+        with _nixl(f"nixl: get_agent_metadata of the new agent {name}"):
+            metadata = agent.get_agent_metadata()
+        return name, agent, sockets.owned(before, after, metadata)
 
     # -- memory ------------------------------------------------------------------
 
@@ -244,17 +309,21 @@ class NixlDriver(Driver):
     # -- peers -------------------------------------------------------------------
 
     def endpoint(self) -> _Blob:
+        with self._lock:
+            name, agent = self.address, self._agent
         with _nixl("nixl: get_agent_metadata"):
-            return _Blob(self.address, self._agent.get_agent_metadata())
+            return _Blob(name, agent.get_agent_metadata())
 
     def connect(self, blob: Any, manifest: Manifest) -> _Link:
         kinds = Kinds.of([r.device for r in manifest.regions], manifest.locate)
         link = _Link(blob.name, blob.metadata, kinds)
-        self._load(link)
+        with self._lock:
+            self._load(link)
         return link
 
     def _load(self, link: _Link) -> None:
-        """Make ``link``'s metadata the one this agent holds under its name (NIXL holds one)."""
+        """Make ``link``'s metadata the one this agent holds under its name (NIXL holds one).
+        Called with ``_lock`` held: a fence does not switch agents meanwhile."""
         held = self._remotes.get(link.name)
         current = held is not None and not held.reload and held.metadata == link.metadata
         if not current and link.name != self.address:  # an agent reaches itself as it is
@@ -283,27 +352,41 @@ class NixlDriver(Driver):
         # when it is empty (NIXL drops an empty notif_msg), it follows them with send_notif.
         after = notify if notify is not None and (len(groups) > 1 or not notify) else None
         riding = b"" if after is not None or notify is None else notify
-        if link.reload:
-            self._load(link)
+        with self._lock:
+            agent, live = self._agent, self._xfers
+            if link.reload:
+                self._load(link)
         handles: list = []
         states: list[str] = []
         try:
             for lkind, rkind, part in groups:
-                handles.append(self._request(link, lkind, rkind, part, riding))
+                handles.append(self._request(link, lkind, rkind, part, riding, agent))
                 with _nixl("transfer()", link):
-                    states.append(self._agent.transfer(handles[-1]))
+                    states.append(agent.transfer(handles[-1]))
         except Exception:
             for h in handles:
                 with contextlib.suppress(Exception):  # the first failure is the one reported
                     h.release()
             raise
-        return _Xfer(self._agent, link, handles, states, after)
+        xfer = _Xfer(agent, link, handles, states, after, live)
+        with self._lock:
+            current = live is self._xfers
+            if current:
+                live.add(xfer)
+        if not current:  # a fence switched agents while this was posted on the old one
+            xfer.cut("this agent was fenced while the batch was posted")
+        return xfer
 
-    def _request(self, link: _Link, lkind: Kind, rkind: Kind, d: Descriptors, notify: bytes):
-        """A NIXL request (not yet posted) writing ``d`` to the peer."""
+    def _request(
+        self, link: _Link, lkind: Kind, rkind: Kind, d: Descriptors, notify: bytes,
+        agent: Any = None,
+    ) -> Any:  # fmt: skip
+        """A NIXL request (not yet posted) writing ``d`` to the peer, made by ``agent`` (the
+        one ``post`` picked; None: the current one)."""
         b = self._bindings
+        agent = self._agent if agent is None else agent
         with _nixl("initialize_xfer(WRITE)", link):
-            return self._agent.initialize_xfer(
+            return agent.initialize_xfer(
                 "WRITE",
                 b.nixlXferDList(self._segments[lkind[0]], rows(d.src, d.nbytes, lkind[1])),
                 b.nixlXferDList(self._segments[rkind[0]], rows(d.dst, d.nbytes, rkind[1])),
@@ -312,16 +395,93 @@ class NixlDriver(Driver):
             )
 
     def notify(self, link: Any, message: bytes) -> Posted:
-        if link.reload:
-            self._load(link)
+        with self._lock:
+            agent = self._agent
+            if link.reload:
+                self._load(link)
         with _nixl("send_notif", link):
-            self._agent.send_notif(link.name, message)
+            agent.send_notif(link.name, message)
         return Done()
 
     def notifications(self) -> list[tuple[str, bytes]]:
+        agent = self._agent  # those the old agent held when a fence destroyed it are lost
         with _nixl("nixl: get_new_notifs"):
-            notes = self._agent.get_new_notifs()
+            notes = agent.get_new_notifs()
         return [(str(peer), bytes(m)) for peer, msgs in notes.items() for m in msgs]
+
+    # -- fencing -------------------------------------------------------------------
+
+    def fence(self, source: str) -> None:
+        """Cut every peer off, ``source`` among them: the old agent's sockets are silenced, the
+        memory is registered in a new agent under a new name, the driver switches to it, and
+        the old agent is destroyed, which closes its UCX connections (declared only where that
+        stops every write: ``ucx_env.fencing``). Its batches not yet released are released
+        first (FAILED). Raises where it cannot be done: before the switch with everything as
+        it was, after it (the old agent still referenced) with the new agent in place."""
+        started = time.monotonic()
+        what = f"nixl: fencing {source}"
+        if (tls := os.environ.get("UCX_TLS")) != self._tls:
+            raise PluginError(
+                f"{what}: UCX_TLS is {tls!r} now but was {self._tls!r} when this backend "
+                "opened, so a new agent would not use the transports a fence was declared for"
+            )
+        with self._lock:
+            regs, old_sockets = dict(self._regs), self._sockets
+        # The old agent hears nothing from now on (``sockets``: a filter on its sockets drops
+        # every packet): no stream goes on while the new agent starts, nor holds its
+        # destruction up. Undone if the new agent cannot take over.
+        silenced = sockets.silence(old_sockets) if old_sockets is not None else []
+        agent: Any = None
+        fresh: dict[tuple[int, int, str], Any] = {}
+        try:
+            name, agent, owned = self._start_agent()
+            for addr, nbytes, device in regs:
+                kind, dev = memory_kind(device)
+                with _nixl(f"{what}: register_memory({kind}, device {dev}) in new agent {name}"):
+                    fresh[(addr, nbytes, device)] = agent.register_memory(
+                        [(addr, nbytes, dev, "")], kind
+                    )
+            with self._lock:
+                if self._regs.keys() != regs.keys():
+                    raise PluginError(f"{what}: memory was registered or deregistered meanwhile")
+                old, old_name, live = self._agent, self.address, self._xfers
+                self._agent, self.address, self._xfers, self._regs = agent, name, set(), fresh
+                self._sockets = owned
+                for link in self._remotes.values():  # the new agent holds no peer's metadata
+                    link.reload = True
+                self._remotes = {}
+        except BaseException:
+            agent = None  # the new agent and its registrations go now, not with the error
+            fresh.clear()
+            sockets.unsilence(silenced)  # the old agent serves on; TCP resends what it dropped
+            raise
+        del agent, regs
+        # The C++ agent goes when its bindings object does (every request handle holds it).
+        gone = weakref.ref(getattr(old, "agent", old))
+        why = f"its agent {old_name} was destroyed to fence {source}"
+        cut = len(live)
+        failed = [exc for xfer in list(live) for exc in xfer.cut(why)]
+        if failed:
+            log.warning("%s: releasing %d request(s) raised %s", what, len(failed), failed[0])
+        del old, live, failed
+        dropped, collected = time.monotonic(), False
+        while gone() is not None:  # a call into it on another thread still holds it
+            waited = time.monotonic() - dropped
+            if waited >= FENCE_S:
+                raise PluginError(
+                    f"{what}: agent {old_name} is still referenced {FENCE_S:.0f} s on (a call "
+                    "into it has not returned), so it is not destroyed: not fenced"
+                )
+            if not collected and waited >= 0.05:
+                gc.collect()  # held in a reference cycle, rather than by a call still running
+                collected = True
+            time.sleep(0.001)
+        done = time.monotonic()
+        log.info(
+            "%s: agent %s destroyed with %d batch(es) of ours cut and %d socket(s) silenced "
+            "in %.0f ms; %s from now",
+            what, old_name, cut, len(silenced), 1000 * (done - started), name,
+        )  # fmt: skip
 
     def close(self) -> None:
         self._agent = None  # the agent, its UCX workers and remote metadata go with the last ref

@@ -24,6 +24,10 @@ Not loading UCX's EFA module avoids it:
 ``UCX_LOG_FILE``: UCX writes its log lines to stdout by default, which
 corrupts any protocol that uses stdout (the conformance kit's peer process,
 for one); the default here is ``stderr``.
+
+``UCX_TLS`` is not set here, only read (``fencing``): which transports a context
+may use is read again at every context's creation (every agent), unlike
+``UCX_MODULES``, which decides once per process which modules load.
 """
 
 from __future__ import annotations
@@ -105,3 +109,52 @@ def apply_defaults(
     if environ is None and devices is None:
         _applied = notes
     return notes
+
+
+ONE_SIDED = frozenset({"cma", "knem", "xpmem"})
+"""UCX's same-host transports in which the sender writes the receiver's memory itself
+(``process_vm_writev``, a kernel module, a mapping of it): nothing the receiver does to its
+agent stops a write already set up, so no fence holds while one is in force."""
+
+RECEIVER_APPLIED = frozenset({"tcp", "self", "posix", "sysv", "cuda_copy", "rocm_copy"})
+"""Transports through which a peer's write lands only when the receiving agent's UCX worker
+applies it (``tcp``; the shared-memory queues ``posix`` and ``sysv``, which carry messages,
+not remote memory), or that never reach another agent (``self``, and the local GPU copies
+``cuda_copy``, ``rocm_copy``): destroying the agent ends every such write."""
+
+_ALIASES = {"sm": ONE_SIDED | {"posix", "sysv"}, "shm": ONE_SIDED | {"posix", "sysv"}}
+_ALIASES["mm"] = frozenset({"posix", "sysv", "xpmem"})
+
+
+def fencing(tls: str | None, devices: Mapping[str, str], gpus: bool) -> tuple[bool, str]:
+    """Whether destroying an agent cuts every peer's writes into its memory with ``UCX_TLS``
+    set to ``tls`` (None: unset) on a host with these RDMA ``devices`` (and NVIDIA ``gpus``
+    or not), and why.
+
+    Yes when the transports in force are all ``RECEIVER_APPLIED``: a list naming only those,
+    or a deny list (``^...``) leaving out every ``ONE_SIDED`` one on a host where nothing
+    else is left (no RDMA device, no GPU: tcp, posix, sysv, self, as measured). RDMA
+    transports probably fence too (the agent's queue pairs and memory keys go with it), but
+    no RDMA device has been here to show it.
+    """
+    if tls is None or not tls.strip():
+        return False, "UCX_TLS is unset, so UCX may use cma, with which the sender writes itself"
+    names = [n.strip() for n in tls.strip().removeprefix("^").split(",") if n.strip()]
+    if not tls.strip().startswith("^"):
+        other = sorted(set(names) - RECEIVER_APPLIED)
+        if other or not names:
+            return False, (
+                f"UCX_TLS={tls!r} names {other or 'nothing'}, not only transports that need "
+                f"the receiving agent to apply a write ({', '.join(sorted(RECEIVER_APPLIED))})"
+            )
+        return True, f"UCX_TLS={tls!r}: every write needs the receiving agent to land"
+    denied = set(names).union(*(_ALIASES.get(n, ()) for n in names))
+    if missing := sorted(ONE_SIDED - denied):
+        return False, f"UCX_TLS={tls!r} leaves {missing} in force, with which the sender writes"
+    if devices or gpus:
+        what = f"RDMA devices {sorted(devices)}" if devices else "NVIDIA GPUs (cuda_ipc)"
+        return False, (
+            f"UCX_TLS={tls!r} leaves every other transport in force, and with {what} here "
+            "that includes some no test has shown a fence for"
+        )
+    return True, f"UCX_TLS={tls!r} leaves only tcp, posix, sysv and self on this host"

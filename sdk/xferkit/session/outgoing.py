@@ -291,8 +291,8 @@ class Outgoing:
             if not rec.pending:
                 self._settle(rec)
             return lost
-        if error:
-            self.fail(rec, "transfer", error)
+        if error:  # the driver's text names its own peer: say whose rank that is
+            self.fail(rec, "transfer", f"writing to {dst.down.where()}: {error}")
             return lost
         if not self.s.notifying:
             self.out.send(dst.down.conn, wire.written(tag))
