@@ -116,8 +116,8 @@ MUTATIONS = (
             Edit(
                 Pairs,
                 "welcome",
-                "if driver == self.s.driver_name or (holder is not None and holder is not up):",
-                "if driver == self.s.driver_name:",
+                "if driver == self.driver_name or (holder is not None and holder is not up):",
+                "if driver == self.driver_name:",
             ),
         ),
         FAULTS | {"impersonate"},
@@ -129,8 +129,8 @@ MUTATIONS = (
             Edit(
                 Pairs,
                 "hello",
-                "if driver == self.s.driver_name or holder is not None:",
-                "if driver == self.s.driver_name:",
+                "if driver == self.driver_name or holder is not None:",
+                "if driver == self.driver_name:",
             ),
         ),
         FAULTS | {"impersonate"},
