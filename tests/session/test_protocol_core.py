@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from xferkit.session import wire
 from xferkit.session.actions import Send
 from xferkit.session.core import MAX_PAIRS, MAX_UNOFFERED_SLOTS
+from xferkit.session.incoming import REFENCE_S
 from xferkit.session.protocol import Protocol
 from xferkit.session.states import State
 from xferkit.testing import Reference, gdn_hybrid
@@ -345,15 +346,40 @@ def test_a_driver_that_fences_ends_a_lost_sources_request_once_fenced() -> None:
 
 
 def test_a_fence_that_fails_leaves_the_request_draining_to_its_bound() -> None:
+    """A fence that keeps failing (a NIC or link down) is asked for again every REFENCE_S
+    while the request waits, and the request drains to its bound meanwhile."""
     net = Net(fencing=True)
     recv = _silent_source(net)
-    lost_at = net.now
-    net.apply("dec", net.dec.fenced("loopback:p-drv", "the NIC said no", b"", net.now))
-    assert recv.state is not State.FAILED
+    lost_at, asked = net.now, 0
     while recv.state is not State.FAILED and net.now < lost_at + 60:
+        while net.fences:
+            net.fences.pop()
+            asked += 1
+            net.apply("dec", net.dec.fenced("loopback:p-drv", "the NIC said no", b"", net.now))
         net.now += 0.05
         net.apply("dec", net.dec.timer(net.now))
     assert net.now - lost_at >= net.dec.s.drain_s
+    assert asked >= net.dec.s.drain_s / REFENCE_S - 1  # asked again every REFENCE_S
+    for _ in range(60):
+        net.now += 0.05
+        net.apply("dec", net.dec.timer(net.now))
+    assert net.fences == []  # and not once the request ended
+
+
+def test_a_fence_that_failed_is_asked_again_and_ends_the_request_once_it_holds() -> None:
+    """Before: one failed fence (NIXL cannot start its new agent while the host's link is
+    down) left the request draining to its bound, 15 s in the fault matrix's cut."""
+    net = Net(fencing=True)
+    recv = _silent_source(net)
+    assert net.fences == ["loopback:p-drv"]
+    net.fences.clear()
+    net.apply("dec", net.dec.fenced("loopback:p-drv", "the link is down", b"", net.now))
+    assert net.fences == [] and recv.state is not State.FAILED
+    net.now += REFENCE_S
+    net.apply("dec", net.dec.timer(net.now))
+    assert net.fences == ["loopback:p-drv"]  # asked again
+    net.apply("dec", net.dec.fenced("loopback:p-drv", "", b"new", net.now))
+    assert recv.state is State.FAILED
 
 
 def test_a_closed_connection_is_fenced_too_where_the_driver_can() -> None:

@@ -32,6 +32,9 @@ from .recvs import Recv
 from .states import RequestError, State
 from .unpacking import Source, Unpacker
 
+REFENCE_S = 1.0
+"""How long after a fence failed (a NIC or link down) it is asked for again."""
+
 
 class Incoming:
     """Receives: starting them, counting completions, failing them once sources stopped."""
@@ -43,6 +46,7 @@ class Incoming:
         self._coverage: dict[tuple[tuple[str, int], ...], Coverage | PlanError] = {}
         self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
         self.fences: dict[str, list[str]] = {}  # driver -> the addresses its fences are for
+        self.refence: list[tuple[float, str, str]] = []  # (when, driver, address): failed
         self.unpacker = Unpacker(s)
         self.unresolved: list[Recv] = []  # failed before a roster named its sources (sources.py)
 
@@ -276,8 +280,9 @@ class Incoming:
         address = waiting.pop(0)
         if not waiting:
             del self.fences[source]
-        if error:
+        if error:  # asked again every REFENCE_S while it is waited for (the drain bound ends it)
             log.error("%s: fencing %s: %s", self.s.address, source, error)
+            self.refence.append((self.now + REFENCE_S, source, address))
             return None
         self._stopped(address)
         if self.s.fence_cuts_all:  # the fences still to come were for links it cut too
@@ -366,6 +371,14 @@ class Incoming:
     # -- timers ------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
+        due, self.refence = (
+            [f for f in self.refence if f[0] <= now],
+            [f for f in self.refence if f[0] > now],
+        )
+        for _, source, address in due:
+            if self._waited_for(address):
+                self.fences.setdefault(source, []).append(address)
+                self.out.add(act.Fence(source))
         for rec in list(self.recvs.values()):
             if rec.error is None and now > rec.deadline:
                 why = f"not done within request_timeout_s={self.s.request_timeout_s}"
@@ -379,7 +392,5 @@ class Incoming:
                 self.settle(rec)
 
     def next_deadline(self) -> float:
-        return min(
-            (r.drain_until if r.error is not None else r.deadline for r in self.recvs.values()),
-            default=float("inf"),
-        )
+        times = [r.drain_until if r.error is not None else r.deadline for r in self.recvs.values()]
+        return min(times + [f[0] for f in self.refence], default=float("inf"))
