@@ -81,6 +81,13 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     its engine registered, not who sent it) retires the whole registration. The Session
     then treats every pair made from the old endpoint as cut too: their requests fail
     naming the lost source, and the next ones handshake with the new endpoint."""
+    ends_are_final: bool = True
+    """Whether a write that ended (aborted, failed, timed out, its peer disconnected) lands
+    nothing more. A driver that cannot say so (NIXL over UCX's TCP transport: a released
+    request's queued puts still go out) declares False and must keep notifications in
+    order behind the data: a ``notify`` posted after a write ended reaches the peer after
+    every byte of it. The Session then follows each aborted request with such a
+    notification, and the decode rank reports FAILED only once it has landed."""
 
     def __post_init__(self) -> None:
 
@@ -96,9 +103,20 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if problem:
                 raise OptionError(f"capabilities: {problem}")
-        for field in ("notifications", "cross_process", "fencing", "fence_cuts_all"):
+        for field in (
+            "notifications",
+            "cross_process",
+            "fencing",
+            "fence_cuts_all",
+            "ends_are_final",
+        ):
             if type(getattr(self, field)) is not bool:
                 raise OptionError(f"capabilities: {field} must be a bool")
+        if not self.ends_are_final and not self.notifications:
+            raise OptionError(
+                "capabilities: ends_are_final=False needs notifications (the notification "
+                "behind a write's last byte is how a receiver learns it ended)"
+            )
 
 
 class Notification(msgspec.Struct, frozen=True):

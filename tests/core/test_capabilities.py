@@ -25,6 +25,8 @@ from xferkit.testing.mock import MockDriver
         ({"descriptor_bytes": 1e4}, "descriptor_bytes"),
         ({"copy_cost": 0.0}, "copy_cost"),
         ({"copy_cost": "2"}, "copy_cost"),
+        ({"ends_are_final": 0}, "ends_are_final"),
+        ({"ends_are_final": False}, "needs notifications"),  # how a receiver learns the end
     ],
 )
 def test_invalid_capabilities_are_option_errors(fields: dict[str, Any], text: str) -> None:

@@ -133,8 +133,8 @@ class Net:
                 peer = ("peer", a.key)
                 self.apply("pre", self.pre.connected(a.key, peer, 1, "", self.now))
             elif isinstance(a, act.Post):
-                tag = wire.decode_tag(a.note) if a.note else None
-                self.writes[a.wid] = Write(a.wid, tag.rid if tag else "", a.peer, a.note)
+                note = wire.decode_note(a.note) if a.note else None
+                self.writes[a.wid] = Write(a.wid, note.rid if note else "", a.peer, a.note)
             elif isinstance(a, act.Fence):
                 self.fences.append(a.source)
             elif isinstance(a, act.Cancel):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from xferkit.session import wire
 from xferkit.session.actions import Send
 from xferkit.session.core import MAX_PAIRS, MAX_UNOFFERED_SLOTS
-from xferkit.session.incoming import REFENCE_S
+from xferkit.session.fences import REFENCE_S
 from xferkit.session.protocol import Protocol
 from xferkit.session.states import State
 from xferkit.testing import Reference, gdn_hybrid
@@ -231,6 +231,70 @@ def test_failed_is_said_only_once_the_source_confirmed_nothing_is_in_flight() ->
     assert recv.state is State.FAILED and recv.error is not None and recv.error.stage == "abort"
     assert net.failed_with_writes == []
     assert str(net.handles["pre", "r"].error) == str(recv.error)
+
+
+def _aborted_mid_write(net: Net) -> tuple[Handle, wire.Ended]:
+    """A request aborted by its decode rank while its write was in the driver, the driver
+    having let go of it since (its queued bytes may still go out): the ``Ended`` posted."""
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)
+    (write,) = net.writes.values()
+    net.abort("dec", "r")
+    net.deliver()
+    assert write.cancelled
+    net.finish(write.wid)
+    ended = wire.Ended("r", net.dec.incoming.recvs["r"].gen)
+    assert [wire.decode_note(w.note) for w in net.writes.values() if w.note] == [ended]
+    return recv, ended
+
+
+def test_where_ends_are_not_final_failed_waits_for_the_ended_notification() -> None:
+    """A driver whose released writes still land (NIXL over UCX's TCP transport): the source
+    posts ``Ended`` behind them and says so in its ``AbortAck``; the decode rank says FAILED
+    once ``Ended`` landed, not at the ``AbortAck`` (where bytes still arrived: 64 MB of a
+    160 MiB write in tests/session/test_session_ended.py). An ``Ended`` of another
+    generation or request settles nothing."""
+    net = Net(ends_are_final=False)
+    recv, ended = _aborted_mid_write(net)
+    assert ("P", wire.AbortAck(rid="r", gen=ended.gen, barrier=True)) in net.to_dec
+    net.deliver()
+    assert recv.failing is not None and recv.state is not State.FAILED
+    net.advance(net.dec.s.dead_after_s + 1)  # the pair is alive: nothing else settles it
+    for stray in (wire.Ended("r", ended.gen + 1), wire.Ended("other", ended.gen)):
+        net.apply("dec", net.dec.notification("loopback:p-drv", wire.encode(stray), net.now))
+    assert recv.state is not State.FAILED  # another generation's, another request's: nothing
+    net.finish_all()  # the Ended lands, after the bytes
+    assert recv.state is State.FAILED and recv.error is not None and recv.error.stage == "abort"
+
+
+def test_an_ended_notification_before_its_abortack_counts() -> None:
+    """``Ended`` travels on the data path, the ``AbortAck`` on the control socket: either may
+    come first."""
+    net = Net(ends_are_final=False)
+    recv, _ = _aborted_mid_write(net)
+    (end,) = net.writes
+    net.finish(end)  # the Ended lands first
+    assert recv.state is not State.FAILED  # the source's AbortAck is still on its way
+    net.deliver()
+    assert recv.state is State.FAILED
+
+
+def test_where_ends_are_final_nothing_follows_the_abortack() -> None:
+    """The loopback's, Mooncake's: the AbortAck is the proof, and no notification is posted."""
+    net = Net()
+    net.handshake()
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)
+    net.abort("dec", "r")
+    net.deliver()
+    net.finish_all()
+    assert recv.state is State.FAILED and not net.writes
+    assert all(w.note is None or isinstance(wire.decode_note(w.note), wire.Tag) for w in net.ended)
 
 
 def test_a_decode_rank_that_said_bye_still_gets_the_abortack_it_waits_for() -> None:

@@ -77,6 +77,26 @@ def test_random_bytes_are_a_tag_or_a_protocol_error(raw: bytes) -> None:
     assert wire.decode_tag(wire.encode(tag)) == tag
 
 
+@given(wire_bytes())
+def test_random_bytes_are_a_note_or_a_protocol_error(raw: bytes) -> None:
+    """What a driver notification carries: a completion tag or an ``Ended``, never both
+    readings of one payload, nor another exception."""
+    try:
+        note = wire.decode_note(raw)
+    except ProtocolError:
+        return
+    assert wire.decode_note(wire.encode(note)) == note
+
+
+def test_a_tag_and_an_ended_cannot_be_mistaken_for_each_other() -> None:
+    ended = wire.Ended("ended", 7)  # a request id that spells the other's tag
+    tag = wire.Tag("ended", 7, 0, 1, 0)
+    assert wire.decode_note(wire.encode(ended)) == ended
+    assert wire.decode_note(wire.encode(tag)) == tag
+    with pytest.raises(ProtocolError):
+        wire.decode_tag(wire.encode(ended))
+
+
 def test_unknown_type_wrong_version_field_and_oversize_are_refused() -> None:
     with pytest.raises(ProtocolError, match="malformed"):
         wire.decode(msgspec.msgpack.encode({"type": "pickle", "x": 1}))

@@ -82,6 +82,21 @@ def test_a_driver_whose_fence_cuts_every_source_survives_the_same_schedules() ->
     assert found == [], found[0]
 
 
+@pytest.mark.parametrize("fencing", [False, True], ids=["no fence", "fence cuts all"])
+def test_a_driver_whose_released_writes_still_land_survives_the_same_schedules(
+    fencing: bool,
+) -> None:
+    """Drivers whose ends are not final (``Capabilities.ends_are_final=False``: NIXL, whose
+    release over UCX's TCP lets queued puts go out), with or without a fence that cuts every
+    source (NIXL over TCP has one, its defaults not): a request a source aborted or failed is
+    FAILED only once the ``Ended`` notification behind its writes landed, and nothing lands
+    after FAILED. Before, the decode rank said FAILED at the AbortAck."""
+    faults = FAULTS | {"frozen"} if fencing else FAULTS  # frozen needs a fence (above)
+    config = Config(faults=faults, ends_final=False, fencing=fencing, fence_cuts_all=fencing)
+    found = [v for s in range(60) for v in run(s, config).violations]
+    assert found == [], found[0]
+
+
 def test_a_driver_that_lands_bytes_after_a_write_ended_is_caught() -> None:
     """The harsh ``late`` driver (UCX over TCP did this) breaks invariant 1, which no
     control plane can prevent without fencing: the checker must see it."""
@@ -136,6 +151,7 @@ FAULT_SETS = st.sets(st.sampled_from(sorted(FAULTS))).map(frozenset)
     staging_bytes=st.sampled_from([1 << 14, 1 << 16]),
     notifying=st.booleans(),
     fencing=st.sampled_from(["no", "source", "all"]),  # what a decode driver's fence cuts
+    ends_final=st.booleans(),  # False: a released write still lands (with notifications)
     packer=st.booleans(),  # staged rounds pack on the Session's worker, or in the core's call
     skip=st.sampled_from([0.0, 0.0, 0.5]),  # the share of decode ranks holding a prefix
     layered=st.sampled_from([0.0, 0.0, 0.5]),  # the share of prefill ranks writing per layer
@@ -144,14 +160,14 @@ def test_a_search_over_shapes_faults_and_time_constants_finds_nothing(
     seed: int, prefill: int, stages: int, instances: int, decode: int, decode_stages: int,
     decodes: int, requests: int,
     faults: frozenset[str], heartbeat: float, dead_after: int, staging: str, staging_bytes: int,
-    notifying: bool, fencing: str, packer: bool, skip: float, layered: float,
+    notifying: bool, fencing: str, ends_final: bool, packer: bool, skip: float, layered: float,
 ) -> None:  # fmt: skip
     config = Config(
         prefill_tp=prefill, prefill_pp=stages, instances=instances, decode_tp=decode,
         decode_pp=decode_stages, decode_instances=decodes, requests=requests, faults=faults,
         heartbeat_s=heartbeat, dead_after_s=heartbeat * dead_after, staging=staging,
         staging_bytes=staging_bytes, notifying=notifying, fencing=fencing != "no",
-        fence_cuts_all=fencing == "all", packer=packer,
+        fence_cuts_all=fencing == "all", ends_final=ends_final or not notifying, packer=packer,
         skip=skip, layered=layered,
     )  # fmt: skip
     result = run(seed, config)

@@ -12,6 +12,11 @@ switches to it and destroys the old one, which closes the old agent's UCX
 connections: a peer's write then lands only where UCX needs the receiving agent
 to apply it (``ucx_env.fencing``: UCX_TLS=tcp, say), so only there is fencing
 declared. Destroying the agent cuts every peer at once (``fence_cuts_all``).
+
+Releasing a request in flight does not stop what UCX queued for it: over TCP every
+put still goes out and lands (the whole of a 32 MiB write aborted 2 ms in). A
+notification posted afterwards lands behind them, so the driver declares
+``ends_are_final=False`` and the Session waits for that notification instead.
 """
 
 from __future__ import annotations
@@ -247,6 +252,7 @@ class NixlDriver(Driver):
             copy_cost=COPY_COST,
             fencing=fences,
             fence_cuts_all=fences,
+            ends_are_final=False,  # on every transport: cma alone would stop, and is rarely alone
         )
         self._regs: dict[tuple[int, int, str], Any] = {}  # (addr, nbytes, device) -> NIXL's
         self._here: Kinds | None = None  # the registered regions' kinds, built when needed

@@ -76,6 +76,7 @@ class Settings:
     notifying: bool  # the driver carries completion tags on notifications
     fencing: bool = False  # the driver can cut a lost source's connections (Backend.fence)
     fence_cuts_all: bool = False  # ... and cuts every other source's with them
+    ends_are_final: bool = True  # an aborted write lands nothing more (else: a barrier after it)
     descriptor_bytes: int = 4096
     copy_cost: float = 1.0
     staging: str = "never"  # "auto", "always" or "never"

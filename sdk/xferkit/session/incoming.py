@@ -10,7 +10,8 @@ its connection) add up to the total its last one announced; completions and
 failures count only from the sources the request named.
 
 FAILED means no byte can land any more: a failing request asks every source
-it named slots to for an ``AbortAck`` and reports FAILED once each answered,
+it named slots to for an ``AbortAck`` and reports FAILED once each answered
+(and, where it said an ``Ended`` notification follows its bytes, that landed),
 or the driver fenced a lost one (``Fence``), or, on a driver that cannot fence,
 its connection closed (the process is gone), or the bound derived from the
 source's own deadlines passed (its ``drain_s`` plus ``dead_after_s`` after the
@@ -22,18 +23,16 @@ from __future__ import annotations
 from collections import deque
 
 from ..errors import PlanError
-from ..planner import Coverage, coverage
 from ..staging import FORCE, stage
 from . import actions as act
 from . import wire
 from .core import Out, Settings, log, stage_text
+from .coverages import Coverages
+from .fences import Fences
 from .pairs import Pairs, Up
 from .recvs import Recv
 from .states import RequestError, State
 from .unpacking import Source, Unpacker
-
-REFENCE_S = 1.0
-"""How long after a fence failed (a NIC or link down) it is asked for again."""
 
 
 class Incoming:
@@ -43,10 +42,9 @@ class Incoming:
         self.s, self.out, self.pairs = s, out, pairs
         self.recvs: dict[str, Recv] = {}
         self.gen = 0
-        self._coverage: dict[tuple[tuple[str, int], ...], Coverage | PlanError] = {}
+        self.coverages = Coverages(s.manifest)
         self._waiting: deque[Recv] = deque()  # started, waiting for staging, oldest first
-        self.fences: dict[str, list[str]] = {}  # driver -> the addresses its fences are for
-        self.refence: list[tuple[float, str, str]] = []  # (when, driver, address): failed
+        self.fences = Fences()
         self.unpacker = Unpacker(s)
         self.unresolved: list[Recv] = []  # failed before a roster named its sources (sources.py)
 
@@ -89,7 +87,7 @@ class Incoming:
         if len(live) < len(ups):
             return
         rec.started = True
-        cov = self._cover(live)
+        cov = self.coverages.of(live)
         if isinstance(cov, PlanError):
             text = stage_text(rec.rid, "plan", f"decode rank {self.s.manifest.tp_rank}", str(cov))
             self.fail(rec, "plan", text, None, now, formatted=True)
@@ -156,21 +154,6 @@ class Incoming:
         self.out.move(rec.handle, State.WAITING)
         self._check(rec)
 
-    def _cover(self, live: list[Up]) -> Coverage | PlanError:
-        key = tuple((u.address, u.welcome.incarnation if u.welcome else 0) for u in live)
-        cov = self._coverage.get(key)
-        if cov is None:
-            try:
-                cov = coverage(
-                    [u.manifest for u in live if u.manifest is not None], self.s.manifest
-                )
-            except PlanError as exc:
-                cov = exc
-            if len(self._coverage) > 256:
-                self._coverage.clear()
-            self._coverage[key] = cov
-        return cov
-
     def _check(self, rec: Recv) -> None:
         if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
             self._release_slices(rec)
@@ -223,7 +206,7 @@ class Incoming:
         self.settle(rec)
 
     def settle(self, rec: Recv) -> None:
-        if rec.error is None or rec.acks:
+        if rec.error is None or rec.acks or rec.barriers:
             return
         self._release_slices(rec)
         if self.recvs.get(rec.rid) is rec:
@@ -258,8 +241,10 @@ class Incoming:
         quiet = frozenset({up.address}) if gone and not self.s.fencing else frozenset()
         for rec in [r for r in self.recvs.values() if up.address in r.sources]:
             self.fail(rec, stage, why, up.address, now, quiet=quiet)
+        if quiet:  # nor will the Ended it owed land
+            self._stopped(up.address)
         if self.s.fencing and up.driver_name and self._waited_for(up.address):
-            self.fences.setdefault(up.driver_name, []).append(up.address)  # answered in order
+            self.fences.ask(up.driver_name, up.address)
             self.out.add(act.Fence(up.driver_name))
 
     def pair_gone(self, up: Up, now: float) -> None:
@@ -274,21 +259,16 @@ class Incoming:
         The lost rank's address, when a fence was waited for."""
         if endpoint:
             self.pairs.renew(endpoint)
-        waiting = self.fences.get(source)
-        if not waiting:
+        address = self.fences.answered(source, error, self.now)
+        if address is None:
             return None
-        address = waiting.pop(0)
-        if not waiting:
-            del self.fences[source]
         if error:  # asked again every REFENCE_S while it is waited for (the drain bound ends it)
             log.error("%s: fencing %s: %s", self.s.address, source, error)
-            self.refence.append((self.now + REFENCE_S, source, address))
             return None
         self._stopped(address)
         if self.s.fence_cuts_all:  # the fences still to come were for links it cut too
-            for addresses in self.fences.values():
-                for other in addresses:
-                    self._stopped(other)
+            for other in list(self.fences.pending()):
+                self._stopped(other)
         return address
 
     def pair_cut(self, up: Up, why: str, lost: str, now: float) -> None:
@@ -300,29 +280,47 @@ class Incoming:
         self._stopped(up.address)
 
     def _waited_for(self, address: str) -> bool:
-        return any(address in r.acks for r in self.recvs.values())
+        return any(r.waits_on(address) for r in self.recvs.values())
 
     def _stopped(self, address: str) -> None:
-        for rec in [r for r in self.recvs.values() if address in r.acks]:
+        for rec in [r for r in self.recvs.values() if r.waits_on(address)]:
             rec.acks.discard(address)
+            rec.barriers.discard(address)
             self.settle(rec)
 
     # -- messages from prefill ranks -------------------------------------------------
 
-    def on_message(self, up: Up, msg: wire.Fail | wire.AbortAck, now: float) -> None:
+    def _concerned(self, up: Up, msg: wire.Fail | wire.AbortAck | wire.Ended) -> Recv | None:
+        """The request ``msg`` is about, if ``up`` was asked to write it (else None, logged)."""
         rec = self.recvs.get(msg.rid)
         if rec is None or rec.gen != msg.gen or up.address not in rec.requested:
             log.info(
                 "%s: %s for request %r from %s, which it does not concern: dropped",
                 self.s.address, type(msg).__name__, msg.rid, up.address,
             )  # fmt: skip
+            return None
+        return rec
+
+    def on_message(self, up: Up, msg: wire.Fail | wire.AbortAck, now: float) -> None:
+        if (rec := self._concerned(up, msg)) is None:
             return
+        if msg.barrier and up.address not in rec.ended:  # its bytes' end is on its way
+            rec.barriers.add(up.address)
         if isinstance(msg, wire.Fail):
             quiet = frozenset({up.address})
             self.fail(rec, msg.stage, msg.text, up.address, now, formatted=True, quiet=quiet)
         else:
             rec.acks.discard(up.address)
             self.settle(rec)
+
+    def ended(self, up: Up, msg: wire.Ended) -> None:
+        """``up``'s ``Ended`` notification landed: nothing it wrote for the request is still
+        on the data path (it may come before the ``AbortAck`` or ``Fail`` announcing it)."""
+        if (rec := self._concerned(up, msg)) is None:
+            return
+        rec.ended.add(up.address)
+        rec.barriers.discard(up.address)
+        self.settle(rec)
 
     def completed(self, up: Up, tag: wire.Tag, now: float) -> None:
         rec = self.recvs.get(tag.rid)
@@ -371,13 +369,9 @@ class Incoming:
     # -- timers ------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        due, self.refence = (
-            [f for f in self.refence if f[0] <= now],
-            [f for f in self.refence if f[0] > now],
-        )
-        for _, source, address in due:
+        for source, address in self.fences.due(now):
             if self._waited_for(address):
-                self.fences.setdefault(source, []).append(address)
+                self.fences.ask(source, address)
                 self.out.add(act.Fence(source))
         for rec in list(self.recvs.values()):
             if rec.error is None and now > rec.deadline:
@@ -386,11 +380,12 @@ class Incoming:
             elif rec.error is not None and now > rec.drain_until:
                 log.warning(
                     "%s: request %r: no abort confirmation from %s within their drain bound",
-                    self.s.address, rec.rid, sorted(rec.acks),
+                    self.s.address, rec.rid, sorted(rec.acks | rec.barriers),
                 )  # fmt: skip
                 rec.acks.clear()
+                rec.barriers.clear()
                 self.settle(rec)
 
     def next_deadline(self) -> float:
         times = [r.drain_until if r.error is not None else r.deadline for r in self.recvs.values()]
-        return min(times + [f[0] for f in self.refence], default=float("inf"))
+        return min([*times, self.fences.next_deadline()])

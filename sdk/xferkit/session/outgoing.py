@@ -8,7 +8,9 @@ each place, expanded through the pair's plan and posted (``Post``) with the
 completion tag on the notification. Chunks written before a decode rank asked
 are held (under a lease once the last is in), requests asked for before
 ``offer`` within the ledger's bounds. A failing request cancels its writes and
-is settled, its ``Fail`` / ``AbortAck`` sent, once every write ended.
+is settled, its ``Fail`` / ``AbortAck`` sent, once every write ended; where the
+driver's ends are not final, behind an ``Ended`` notification to each decode rank it
+wrote to, which lands after the last of those bytes (``Capabilities.ends_are_final``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from . import wire
 from .core import Out, Settings, log, remember, stage_text
 from .layerwise import pool_layers
 from .pairs import Down
-from .sends import Dst, Ledger, SendRec, reused, rid_of, unpack_slots
+from .sends import Dst, Ledger, SendRec, refused_claim, reused, rid_of, stale, unpack_slots
 from .staged import Stager
 from .states import RequestError, State
+
+_NOTHING = Descriptors.empty()
 
 
 class Outgoing:
@@ -64,22 +68,8 @@ class Outgoing:
         if failed is not None:  # it failed here before this rank asked: the root cause
             self._reply(down, rid, msg.gen, failed.stage, failed.args[0])
             return
-        place, shape = (
-            (down.place.pp_rank, down.place.tp_rank),
-            (down.place.tp_size, down.place.pp_size),
-        )
         rec = self.sends.get(rid)
-        problem = ""
-        if rid in self.ledger.finished:
-            problem = reused(rid)
-        elif rec is not None and place in rec.dsts:
-            problem = f"request id {rid!r} was already used by {down.where()} (a second Request)"
-        elif rec is not None and rec.dst_size not in (None, shape):
-            problem = (
-                "decode ranks disagree on their TP size x pipeline stages "
-                f"({rec.dst_size} and {shape})"
-            )
-        if problem:
+        if problem := refused_claim(rec, down, rid, rid in self.ledger.finished):
             self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, problem))
             return
         if msg.failed:  # the decode rank failed it before it could ask: its text, its place
@@ -92,23 +82,14 @@ class Outgoing:
         if msg.registration != down.generation:
             # Its memory changed since the endpoint we hold: writing through it could land in
             # memory it no longer offers. Fails here, on both sides, before anything is posted.
-            detail = (
-                f"decode rank {down.place.tp_rank} re-registered its memory since the handshake "
-                f"(registration {down.generation}, now {msg.registration}): the endpoint this "
-                "rank holds is stale, so nothing is written through it"
-            )
-            text = stage_text(rid, "handshake", where, detail)
-            if rec is not None:
-                self.fail(rec, "handshake", text, formatted=True)
-            else:
-                self._early_failure(rid, RequestError(text, stage="handshake", request_id=rid))
+            text = stage_text(rid, "handshake", where, stale(down, msg))
+            self._early_failure(rid, RequestError(text, stage="handshake", request_id=rid))
             self._reply(down, rid, msg.gen, "handshake", text)
             return
         assert down.plan is not None
         if msg.needed == down.plan.empty:
-            detail = (
-                f"the plans disagree: decode rank {down.place.tp_rank} says it "
-                f"{'needs' if msg.needed else 'does not need'} this source"
+            detail = f"the plans disagree: decode rank {down.place.tp_rank} says it " + (
+                "needs this source" if msg.needed else "does not need this source"
             )
             self._reply(down, rid, msg.gen, "plan", stage_text(rid, "plan", where, detail))
             return
@@ -122,12 +103,13 @@ class Outgoing:
             self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, busy))
             return
         rec = self._rec(rid, now)
+        place = (down.place.pp_rank, down.place.tp_rank)
         if rec.handle is None:
             self.ledger.keep(rec, count)
         if rec.lease_until is not None:  # claimed: the request's own deadline runs again
             rec.lease_until = None
             rec.deadline = now + self.s.request_timeout_s
-        rec.dst_size = shape
+        rec.dst_size = (down.place.tp_size, down.place.pp_size)
         dst = rec.dsts[place] = Dst(down, msg, slots)
         for chunk, last, layers in rec.chunks:
             if rec.error is None:
@@ -260,18 +242,24 @@ class Outgoing:
         total = dst.planned if dst.last else 0
         tag = wire.Tag(rec.rid, dst.gen, self.s.manifest.tp_rank, dst.seq, total, r)
         dst.seq += 1
-        self._wid += 1
-        wid = self._wid
+        note = wire.encode(tag) if self.s.notifying else None
+        wid = self._posting(dst, descs, note, rec.deadline - now, now)
         self.writes[wid] = (rec, dst, now)
         dst.pending[wid] = tag
         dst.down.writes += 1
         rec.descriptors[r is not None] += len(descs)
-        note = wire.encode(tag) if self.s.notifying else None
-        left = max(rec.deadline - now, 0.001)
-        horizon = max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
-        self.out.add(act.Post(wid, dst.down.peer, descs, note, left, now, horizon))
         if rec.handle is not None:
             self.out.move(rec.handle, State.TRANSFERRING)
+
+    def _posting(
+        self, dst: Dst, descs: Descriptors, note: bytes | None, left: float, now: float
+    ) -> int:
+        """Post ``descs`` to ``dst``'s rank within ``left`` seconds; the write's id."""
+        self._wid += 1
+        horizon = max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
+        post = act.Post(self._wid, dst.down.peer, descs, note, max(left, 0.001), now, horizon)
+        self.out.add(post)
+        return self._wid
 
     now = 0.0  # the time of the call in progress (set by the Protocol on every entry)
 
@@ -361,13 +349,24 @@ class Outgoing:
         for dst in rec.dsts.values():  # a rank lost here (its Bye, its silence) still
             if dst.down is gone:  # waits for this answer: only a closed connection does not
                 continue
+            barrier = self._barrier(rec, dst)
             if dst.down is ack:
-                self.out.send(dst.down.conn, wire.AbortAck(rid=rec.rid, gen=dst.gen))
+                msg: wire.Message = wire.AbortAck(rid=rec.rid, gen=dst.gen, barrier=barrier)
             else:
-                msg = wire.Fail(
-                    rid=rec.rid, gen=dst.gen, stage=rec.error.stage, text=rec.error.args[0]
-                )
-                self.out.send(dst.down.conn, msg)
+                stage, text = rec.error.stage, rec.error.args[0]
+                msg = wire.Fail(rid=rec.rid, gen=dst.gen, stage=stage, text=text, barrier=barrier)
+            self.out.send(dst.down.conn, msg)
+
+    def _barrier(self, rec: SendRec, dst: Dst) -> bool:
+        """Post an ``Ended`` notification behind ``rec``'s writes to ``dst`` where the driver
+        may still deliver them after they ended (its release lets queued puts go out): it
+        lands after their last byte, and the decode rank waits for it. True when posted."""
+        s = self.s
+        if s.ends_are_final or not s.notifying or dst.seq == 0 or dst.down.peer is None:
+            return False
+        note = wire.encode(wire.Ended(rec.rid, dst.gen))  # not in ``writes``: nobody waits
+        self._posting(dst, _NOTHING, note, s.dead_after_s, self.now)  # for its end here
+        return True
 
     def down_lost(self, down: Down, why: str, bye: bool = False) -> bool:
         """Fail every request ``down`` has a part in, but after its ``Bye`` not one whose writes

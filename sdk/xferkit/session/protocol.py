@@ -254,11 +254,14 @@ class Protocol:
             log.warning("%s: notification from unknown driver %s: dropped", self.s.address, driver)
             return self.out.take()
         try:
-            tag = wire.decode_tag(data)
+            note = wire.decode_note(data)
         except ProtocolError as exc:
             log.warning("%s: notification from %s: %s", self.s.address, up.address, exc)
             return self.out.take()
-        self.incoming.completed(up, tag, now)
+        if isinstance(note, wire.Ended):
+            self.incoming.ended(up, note)
+        else:
+            self.incoming.completed(up, note, now)
         return self.out.take()
 
     def connected(

@@ -31,10 +31,16 @@ class Recv:
         self.started = False
         self.error: RequestError | None = None
         self.acks: set[str] = set()
+        self.barriers: set[str] = set()  # sources whose writes' end is still on the data path
+        self.ended: set[str] = set()  # sources whose end landed on it (``wire.Ended``)
         self.drain_until = 0.0
         self.waiting_since = 0.0  # when it began to wait for staging
         self.staging_wait_s = 0.0
         self.timeline = Timeline()
+
+    def waits_on(self, address: str) -> bool:
+        """Whether FAILED waits for ``address`` to confirm its writes stopped."""
+        return address in self.acks or address in self.barriers
 
     @property
     def routes(self) -> Routes:

@@ -308,5 +308,27 @@ def reused(rid: str) -> str:
     return f"request id {rid!r} was already used with this prefill rank"
 
 
+def refused_claim(rec: SendRec | None, down: Down, rid: str, finished: bool) -> str:
+    """Why ``down``'s Request cannot claim its place in ``rid`` ("" when it can)."""
+    shape = (down.place.tp_size, down.place.pp_size)
+    if finished:
+        return reused(rid)
+    if rec is not None and (down.place.pp_rank, down.place.tp_rank) in rec.dsts:
+        return f"request id {rid!r} was already used by {down.where()} (a second Request)"
+    if rec is not None and rec.dst_size not in (None, shape):
+        sizes = f"({rec.dst_size} and {shape})"
+        return f"decode ranks disagree on their TP size x pipeline stages {sizes}"
+    return ""
+
+
+def stale(down: Down, msg: wire.Request) -> str:
+    """Why a Request made after its rank re-registered is refused."""
+    return (
+        f"decode rank {down.place.tp_rank} re-registered its memory since the handshake "
+        f"(registration {down.generation}, now {msg.registration}): the endpoint this "
+        "rank holds is stale, so nothing is written through it"
+    )
+
+
 def rid_of(handle: object) -> str:
     return handle.request_id  # type: ignore[attr-defined, no-any-return]

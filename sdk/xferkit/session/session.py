@@ -1,10 +1,9 @@
 """One Session per rank: the engine-facing facade over the protocol core and its shell.
 
-Engine calls validate their arguments here, queue a command for the control
-thread and return: only ``wait`` and ``abort`` on a handle block, and only
-when asked to. The control thread (``shell``) runs the protocol core
-(``protocol``), which decides everything; driver calls run on the data-plane
-worker (``dataplane``). See docs/engine.md and docs/protocol.md.
+Engine calls validate their arguments here, queue a command for the control thread and
+return: only ``wait`` and ``abort`` on a handle block, and only when asked to. The control
+thread (``shell``) runs the protocol core (``protocol``), which decides everything; driver
+calls run on the data-plane worker (``dataplane``). See docs/engine.md and docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -198,6 +197,7 @@ class Session(Closing):
             notifying=caps.notifications,
             fencing=caps.fencing,
             fence_cuts_all=caps.fence_cuts_all,
+            ends_are_final=caps.ends_are_final,
             descriptor_bytes=caps.descriptor_bytes,
             copy_cost=caps.copy_cost,
             staging=staging,

@@ -143,22 +143,27 @@ class Abort(_Msg, frozen=True, tag="abort"):
 
 
 class AbortAck(_Msg, frozen=True, tag="abort_ack"):
-    """Prefill -> decode: nothing of ``rid`` is in flight towards the sender any more."""
+    """Prefill -> decode: nothing of ``rid`` is in flight towards the sender any more, or
+    (``barrier``: its driver's ends are not final) an ``Ended`` notification follows the
+    last of its bytes on the data path."""
 
     rid: RequestId
     gen: U64
+    barrier: bool = False
 
 
 class Fail(_Msg, frozen=True, tag="fail"):
     """Either way: ``rid`` failed on the sender's side with this root cause.
 
-    From a prefill rank it also means nothing of it is in flight any more.
+    From a prefill rank it also means nothing of it is in flight any more, or, with
+    ``barrier``, that an ``Ended`` notification follows the last of its bytes (``AbortAck``).
     """
 
     rid: RequestId
     gen: U64
     stage: Stage
     text: Text
+    barrier: bool = False
 
 
 class Round(msgspec.Struct, frozen=True, array_like=True):
@@ -297,6 +302,14 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     round: Round | None = None  # set on the write of a staged round
 
 
+class Ended(msgspec.Struct, frozen=True, array_like=True, tag="ended"):
+    """The notification a prefill rank whose driver's ends are not final posts once its writes
+    of ``rid`` to a decode rank ended unfinished: it lands behind every byte of them."""
+
+    rid: RequestId
+    gen: U64
+
+
 def pack_slots(slots: Mapping[str, Any]) -> dict[str, bytes]:
     """Slot indices per pool as a ``Request`` carries them (``SLOT``)."""
     return {p: np.asarray(s).astype(SLOT).tobytes() for p, s in slots.items()}
@@ -314,6 +327,7 @@ def tag_of(msg: Written) -> Tag:
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _tag_decoder = msgspec.msgpack.Decoder(Tag)
+_ended_decoder = msgspec.msgpack.Decoder(Ended)
 
 
 _TEXTS = ("text", "error", "reason")
@@ -328,7 +342,7 @@ def clip(text: str) -> str:
     return text[: MAX_TEXT - len(tail)] + tail
 
 
-def encode(message: Message | Tag) -> bytes:
+def encode(message: Message | Tag | Ended) -> bytes:
     for field in _TEXTS:
         value = getattr(message, field, None)
         if isinstance(value, str) and len(value) > MAX_TEXT:
@@ -361,3 +375,15 @@ def decode_tag(data: bytes) -> Tag:
         return _tag_decoder.decode(raw)
     except Exception as exc:
         raise ProtocolError(f"malformed completion tag: {exc}") from exc
+
+
+def decode_note(data: bytes) -> Tag | Ended:
+    """What a driver notification carries: a completion tag, or the end of aborted writes
+    (the two cannot be mistaken: a tag's second field is a number, an ``Ended``'s a string)."""
+    try:
+        return decode_tag(data)
+    except ProtocolError as exc:
+        try:
+            return _ended_decoder.decode(data)
+        except Exception:
+            raise exc from None

@@ -29,12 +29,14 @@ from .kit import (
     REQUEST,
     SRC_SLOTS,
     KitBase,
+    await_end,
     buffers,
     drain_until,
     gdn_hybrid_specs,
     held,
     in_batches,
     open_fds,
+    post_end,
     raw_manifest,
 )
 from .pairs import Pair, close_all, connected_pair
@@ -284,8 +286,10 @@ class InProcessConformance(KitBase):
     def test_stopping_mid_transfer_means_no_more_bytes_land(self, stop: str, batches: str) -> None:
         """Once a write is terminal (aborted, its peer disconnected, its memory deregistered)
         the destination stops changing: your `Posted` reports PENDING while your engine may
-        still write."""
-        with self._many_batches(batches) as (a, _b, peer, writes, dst):
+        still write. Declaring `ends_are_final=False`, once a notification posted after the
+        abort landed (what the Session waits for), or the receiver fenced (what it does when
+        a source is lost), where you declare fencing."""
+        with self._many_batches(batches) as (a, b, peer, writes, dst):
             ts = [a.write(peer, d) for d in writes]
             if stop == "abort":
                 for t in ts:
@@ -297,6 +301,11 @@ class InProcessConformance(KitBase):
                 assert t.poll() in (Status.FAILED, Status.DONE)
                 if t.poll() is Status.FAILED and why is not None:
                     assert why in str(t.error)
+            if not a.capabilities.ends_are_final and stop == "abort":
+                post_end(a, peer)
+                await_end(lambda t: [n.message for n in b.notifications(t)], self.wait_s)
+            elif not a.capabilities.ends_are_final and b.capabilities.fencing:
+                b.fence(f"{a.name}:{a.driver.address}")
             snapshot = dst.copy()
             time.sleep(0.2)
             np.testing.assert_array_equal(dst, snapshot)

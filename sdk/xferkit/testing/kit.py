@@ -110,6 +110,26 @@ def held(backend: Backend) -> Manifest:
     return backend.manifest
 
 
+ENDED = b"xferkit-kit: the writes before me ended"
+"""The notification a driver whose ends are not final (``Capabilities.ends_are_final``) is
+sent after its writes ended: once it lands, none of their bytes may land any more."""
+
+
+def post_end(backend: Backend, peer: Any) -> None:
+    """Post ``ENDED`` to ``peer``: a notification with no data, behind the writes before it."""
+    backend.write(peer, Descriptors.empty(), notify=ENDED).wait(10.0)
+
+
+def await_end(notes: Any, timeout: float) -> None:
+    """Wait until ``ENDED`` landed (``notes(t)``: the notifications that landed, waiting up to
+    ``t`` for one), failing the test if it does not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(message == ENDED for message in notes(0.05)):
+            return
+    raise AssertionError(f"the notification behind the ended writes did not land in {timeout} s")
+
+
 def drain_until(backend: Backend, count: int, timeout: float, while_polling: Any = None) -> list:
     """Notifications until ``count`` arrived or ``timeout``; polls a sender's transfer meanwhile."""
     notes: list = []

@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fence-cuts-all", action="store_true", help="with --fencing: a fence cuts every source"
     )
+    ap.add_argument(
+        "--ends-not-final", action="store_true",
+        help="a cancelled write's bytes still land (ends_are_final=False: UCX over TCP)",
+    )  # fmt: skip
     ap.add_argument("--packer", action="store_true", help="staged rounds pack on a worker")
     ap.add_argument(
         "--faults", type=_faults, default=FAULTS,
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         notifying=not args.written,
         fencing=args.fencing,
         fence_cuts_all=args.fence_cuts_all,
+        ends_final=not args.ends_not_final,
         packer=args.packer,
     )  # fmt: skip
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)

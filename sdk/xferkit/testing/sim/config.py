@@ -68,6 +68,7 @@ class Config:
     notifying: bool = True  # the driver carries completions; False: ``Written`` on the socket
     fencing: bool = False  # decode drivers fence a lost source (``Capabilities.fencing``)
     fence_cuts_all: bool = False  # ... and every other source with it (Mooncake's way)
+    ends_final: bool = True  # False: a cancelled write's bytes still land (NIXL over UCX TCP)
     packer: bool = False  # staged rounds pack on a worker (the Session's), not in the call
     max_unoffered: int = MAX_UNOFFERED  # the prefill's bound; small, a flood reaches it
     kv_slots: int = 16
@@ -89,6 +90,8 @@ class Config:
         for name, n in (("instances", self.instances), ("decode_instances", self.decode_instances)):
             if not 1 <= n <= len(INSTANCES):
                 raise ValueError(f"{name} {n}: 1 to {len(INSTANCES)}")
+        if not self.ends_final and not self.notifying:
+            raise ValueError("ends_final=False needs notifying (Capabilities.ends_are_final)")
         unknown = set(self.faults) - FAULTS - HARSH
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS | HARSH)}")

@@ -13,7 +13,10 @@ invalidates the keys it gave would: the links made from its endpoints of
 before land nothing more, whatever is in flight (late and frozen writes
 included), and its endpoint carries the next epoch; under ``Config.fence_cuts_all`` the
 links every other source made from those endpoints land nothing more either (a driver that
-refuses by registration, as Mooncake over TCP).
+refuses by registration, as Mooncake over TCP). Under ``Config.ends_final=False`` a write
+cancelled after the worker took it still lands, ended or not (NIXL's release over UCX's
+TCP transport), and a notification with no data (the core's ``Ended``) lands after every
+byte its rank's writes to that peer had in flight: the promise such a driver keeps.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Driver:
         self.epochs: dict[str, int] = {}  # decode rank -> the fences its driver made
         self.fenced: dict[tuple[str, str], int] = {}  # (decode, source) -> links up to it cut
         self.fenced_all: dict[str, int] = {}  # decode -> every source's links up to it cut
+        self.tails: dict[tuple, float] = {}  # (prefill, its incarnation, peer) -> last landing
 
     def pending(self, rank: Rank) -> int:
         return sum(1 for (pre, _), wr in self.writes.items() if pre == rank.name)
@@ -114,7 +118,8 @@ class Driver:
 
     def post(self, rank: Rank, a: act.Post) -> None:
         if a.note is not None:
-            tag: wire.Tag | None = wire.decode_tag(a.note)
+            note = wire.decode_note(a.note)
+            tag: wire.Tag | None = note if isinstance(note, wire.Tag) else None
         else:  # no notification: the checker reads the write's tag from the core
             got = rank.proto.outgoing.writes.get(a.wid)
             tag = None if got is None else got[1].pending.get(a.wid)
@@ -152,6 +157,12 @@ class Driver:
             self.w.at(self.w.now, self._end, rank, wr, "a descriptor lies outside the peer")
             return
         x = rng.random()
+        if not len(wr.descs):  # a notification alone: behind the bytes in flight to that peer
+            t = max(land, self.tails.get(self._link(wr), 0.0) + 0.00001)
+            self.w.at(t, self._land, wr, 1.0)
+            self.w.at(t + 0.00001, self._end, rank, wr, "")
+            return
+        self._tail(wr, land)
         if self._cut(wr):  # the receiving NIC refuses it
             self.w.at(land, self._end, rank, wr, "fenced by the receiver")
         elif "stall" in faults and x < 0.02:
@@ -162,18 +173,31 @@ class Driver:
             self.w.at(land + 0.0001, self._end, rank, wr, "transport error (simulated)")
         elif "late" in faults and x < 0.08:
             self.w.at(land, self._end, rank, wr, "transport error (simulated), bytes in flight")
-            self.w.at(land + rng.uniform(0.1, 2.0), self._land, wr, 1.0, True)
+            late = land + rng.uniform(0.1, 2.0)
+            self._tail(wr, late)
+            self.w.at(late, self._land, wr, 1.0, True)
         else:
             self.w.at(land, self._land, wr, 1.0)
             self.w.at(land + rng.uniform(0.00001, 0.001), self._end, rank, wr, "")
 
+    def _link(self, wr: Write) -> tuple:
+        return (wr.pre, wr.pre_inc, wr.peer)
+
+    def _tail(self, wr: Write, t: float) -> None:
+        """A landing of ``wr`` is due at ``t``: a later notification to its peer comes after."""
+        link = self._link(wr)
+        self.tails[link] = max(self.tails.get(link, 0.0), t)
+
     def _land(self, wr: Write, share: float, late: bool = False) -> None:
         """Bytes reach the peer's memory (``share`` of the descriptors, in order)."""
         pre = self.w.ranks[wr.pre]
-        if not late and (wr.ended or pre.incarnation != wr.pre_inc or not pre.alive):
+        sent = wr.cancelled and not self.w.config.ends_final  # released, and sent all the same
+        if not late and ((wr.ended and not sent) or pre.incarnation != wr.pre_inc or not pre.alive):
             return
         if self._frozen(pre):  # its transport's threads are stopped with it
-            self.w.at(self.w.resumed(pre), self._land, wr, share, late)
+            resumed = self.w.resumed(pre)
+            self._tail(wr, resumed)
+            self.w.at(resumed, self._land, wr, share, late)
             return
         dec = self.w.ranks[wr.peer[1]]
         if not dec.alive or dec.incarnation != wr.peer[2] or self._cut(wr):
@@ -183,7 +207,7 @@ class Driver:
         if n < len(descs):
             descs = Descriptors(descs.src[:n], descs.dst[:n], descs.nbytes[:n])
         if n:
-            self.w.check.landing(wr, descs, late)
+            self.w.check.landing(wr, descs, late or (sent and wr.ended), released=sent)
             execute(descs)
         wr.landed = True
         if share >= 1.0 and wr.note is not None and not late and not wr.cancelled:

@@ -58,11 +58,13 @@ MIX = (
     replace(ONE_PAIR, layered=0.5),  # half the prefill ranks write layer by layer
     replace(ONE_PAIR, notifying=False),  # completions as ``Written`` on the control socket
     replace(ONE_PAIR, fencing=True),  # decode drivers that fence a lost source
+    replace(ONE_PAIR, ends_final=False),  # a released write still lands (NIXL over UCX TCP)
     replace(ONE_PAIR, decode_tp=2, staging="auto"),
     replace(ONE_PAIR, prefill_tp=2, staging="always", layered=0.3, packer=True),
 )
 """The CI budget's configurations: mostly one pair on direct routes (the cheapest per simulated
-second; one in ten on a driver without notifications, one on drivers that fence, one with
+second; one in eleven on a driver without notifications, one on drivers that fence, one on
+drivers whose released writes still land, one with
 prefix cache hits, one writing layer by layer, one into a decode of two pipeline stages),
 some staged TP (one packing on the Session's worker), all with a heartbeat every 2 s (a ping
 costs steps, not simulated time: 18% more simulated seconds per second than at 1 s); wider

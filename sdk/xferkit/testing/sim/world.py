@@ -103,6 +103,7 @@ class Rank:
             notifying=c.notifying,
             fencing=c.fencing,
             fence_cuts_all=c.fencing and c.fence_cuts_all,
+            ends_are_final=c.ends_final,
             max_unoffered=c.max_unoffered,
             heartbeat_s=c.heartbeat_s,
             dead_after_s=c.dead_after_s,
