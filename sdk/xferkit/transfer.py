@@ -100,11 +100,6 @@ class Transfer:
             self._advance()
 
     @property
-    def split(self) -> bool:
-        """Batches of it are still to be posted, each once one before it ends."""
-        return bool(self._waiting)
-
-    @property
     def count(self) -> int:
         """How many descriptors the write moves (``descs`` holds them)."""
         return len(self.descs)

@@ -74,10 +74,6 @@ class Post(msgspec.Struct, frozen=True):
     ``made`` is when the core asked for it and ``horizon`` how long a pause may last before
     its peer may have declared this rank lost and reused the memory: a post still queued
     when the worker finds it was itself stopped that long after ``made`` is refused.
-    ``urgent``: its end unblocks more work (a staged round frees a half of staging; without
-    notifications it sends the ``Written``), so a driver that can say when it ends is asked
-    to; others are polled with the rest (a wake-up per write cost a one-page request more
-    CPU than its end is worth, on the driver's thread too).
     """
 
     wid: int
@@ -87,7 +83,6 @@ class Post(msgspec.Struct, frozen=True):
     timeout: float
     made: float
     horizon: float
-    urgent: bool = True
 
 
 class Cancel(msgspec.Struct, frozen=True):

@@ -7,9 +7,8 @@ driver whose posts are quick (``INLINE_S``) goes out at once from the control
 thread when nothing waits here, as a hand-over would cost more than the post.
 A driver that says when a batch ends (``Posted.on_end``: the loopback, Mooncake)
 has the control thread poll that write then (``poll_kicked``: its poll reads a
-status), unless its calls turned slow, for a write whose end unblocks more work
-(``Post.urgent``, or a split write's next batch); other writes are polled here
-every ``POLL_S``, and every write every ``CHECK_S`` for its deadline.
+status), unless its calls turned slow; others' writes are polled here every
+``POLL_S``, and every write every ``CHECK_S`` for its deadline.
 Each action comes from the protocol core; each result goes back to it through
 ``report`` (the shell's event queue): ``("connected", ident, peer, generation,
 error)``, ``("fenced", source, error, new endpoint)``, ``("write_ended", wid,
@@ -252,9 +251,7 @@ class DataPlane:
             with self._cond:  # polled until its driver says it will wake us
                 self._inflight[action.wid] = t
                 self._polled.add(action.wid)
-            self._wakes = (action.urgent or t.split) and t.wake_on_end(
-                functools.partial(self._kick, action.wid)
-            )
+            self._wakes = t.wake_on_end(functools.partial(self._kick, action.wid))
             if self._wakes:
                 with self._cond:
                     self._polled.discard(action.wid)

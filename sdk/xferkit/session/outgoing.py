@@ -243,8 +243,7 @@ class Outgoing:
         tag = wire.Tag(rec.rid, dst.gen, self.s.manifest.tp_rank, dst.seq, total, r)
         dst.seq += 1
         note = wire.encode(tag) if self.s.notifying else None
-        urgent = r is not None or not self.s.notifying  # a half to free, a Written to send
-        wid = self._posting(dst, descs, note, rec.deadline - now, now, urgent)
+        wid = self._posting(dst, descs, note, rec.deadline - now, now)
         self.writes[wid] = (rec, dst, now)
         dst.pending[wid] = tag
         dst.down.writes += 1
@@ -253,14 +252,12 @@ class Outgoing:
             self.out.move(rec.handle, State.TRANSFERRING)
 
     def _posting(
-        self, dst: Dst, descs: Descriptors, note: bytes | None, left: float, now: float,
-        urgent: bool = False,
-    ) -> int:  # fmt: skip
+        self, dst: Dst, descs: Descriptors, note: bytes | None, left: float, now: float
+    ) -> int:
         """Post ``descs`` to ``dst``'s rank within ``left`` seconds; the write's id."""
         self._wid += 1
         horizon = max(self.s.dead_after_s - self.s.heartbeat_s, 0.001)
-        left = max(left, 0.001)
-        post = act.Post(self._wid, dst.down.peer, descs, note, left, now, horizon, urgent)
+        post = act.Post(self._wid, dst.down.peer, descs, note, max(left, 0.001), now, horizon)
         self.out.add(post)
         return self._wid
 
