@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 import msgspec
-from core_harness import SLOTS, Handle, Net, endpoint
+from core_harness import SLOTS, Handle, Net, Write, endpoint
 from core_harness import settings as core_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -208,20 +208,25 @@ def test_a_welcome_naming_a_driver_address_a_live_pair_holds_is_refused() -> Non
     assert "Q" not in net.dec.pairs.ups and net.dec.pairs.by_driver["loopback:p-drv"].address == "P"
 
 
-def test_failed_is_said_only_once_the_source_confirmed_nothing_is_in_flight() -> None:
-    """Before: the decode rank stopped waiting for the AbortAck after dead_after_s and said
-    FAILED while the prefill was still draining; bytes landed after FAILED."""
-    net = Net()
+def _abort_while_writing(net: Net) -> tuple[Handle, Write]:
+    """Request ``r``, aborted by its decode rank while its one write is in the driver."""
     net.handshake()
     recv = net.expect("r", {"kv": [1, 2]})
     net.deliver()
     net.offer("r")
     net.write("r", {"kv": [3, 4]}, last=True)
-    assert len(net.writes) == 1
+    (write,) = net.writes.values()
     net.abort("dec", "r")
     net.deliver()
+    return recv, write
+
+
+def test_failed_is_said_only_once_the_source_confirmed_nothing_is_in_flight() -> None:
+    """Before: the decode rank stopped waiting for the AbortAck after dead_after_s and said
+    FAILED while the prefill was still draining; bytes landed after FAILED."""
+    net = Net()
+    recv, write = _abort_while_writing(net)
     assert recv.failing is not None and recv.state is not State.FAILED
-    (write,) = net.writes.values()
     assert write.cancelled
     net.advance(net.dec.s.dead_after_s + 1)  # the prefill pongs: it is alive, still draining
     net.deliver()
@@ -236,14 +241,7 @@ def test_failed_is_said_only_once_the_source_confirmed_nothing_is_in_flight() ->
 def _aborted_mid_write(net: Net) -> tuple[Handle, wire.Ended]:
     """A request aborted by its decode rank while its write was in the driver, the driver
     having let go of it since (its queued bytes may still go out): the ``Ended`` posted."""
-    net.handshake()
-    recv = net.expect("r", {"kv": [1, 2]})
-    net.deliver()
-    net.offer("r")
-    net.write("r", {"kv": [3, 4]}, last=True)
-    (write,) = net.writes.values()
-    net.abort("dec", "r")
-    net.deliver()
+    recv, write = _abort_while_writing(net)
     assert write.cancelled
     net.finish(write.wid)
     ended = wire.Ended("r", net.dec.incoming.recvs["r"].gen)
@@ -285,13 +283,7 @@ def test_an_ended_notification_before_its_abortack_counts() -> None:
 def test_where_ends_are_final_nothing_follows_the_abortack() -> None:
     """The loopback's, Mooncake's: the AbortAck is the proof, and no notification is posted."""
     net = Net()
-    net.handshake()
-    recv = net.expect("r", {"kv": [1, 2]})
-    net.deliver()
-    net.offer("r")
-    net.write("r", {"kv": [3, 4]}, last=True)
-    net.abort("dec", "r")
-    net.deliver()
+    recv, _ = _abort_while_writing(net)
     net.finish_all()
     assert recv.state is State.FAILED and not net.writes
     assert all(w.note is None or isinstance(wire.decode_note(w.note), wire.Tag) for w in net.ended)
