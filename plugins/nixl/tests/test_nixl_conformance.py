@@ -53,8 +53,26 @@ class TestNixl(BackendConformance):
         super().test_a_stale_endpoint_is_refused()
 
 
+TCP_UNFINAL = (
+    "over UCX tcp, a sender's disconnect or deregistration does not stop the puts UCX queued, "
+    "and no notification can follow them (the peer is gone, or nothing is registered): the "
+    "receiver's fence is what stops them (test_a_fenced_sender_lands_nothing_more; a Session "
+    "fences a lost source)"
+)
+
+
 class TestNixlOverTcp(TestNixl):
     """Over UCX's TCP transport an aborted request's queued puts still land
-    (``ends_are_final=False``): the kit waits for the notification behind them, or fences."""
+    (``ends_are_final=False``): the kit waits for the notification behind them."""
 
     ucx_tls = TCP
+
+    @pytest.mark.xfail(strict=False, reason=TCP_UNFINAL)  # passes where all landed first
+    @pytest.mark.parametrize("stop", ["disconnect", "deregister"])
+    def test_stopping_mid_transfer_means_no_more_bytes_land(self, stop: str, batches: str) -> None:
+        super().test_stopping_mid_transfer_means_no_more_bytes_land(stop, batches)
+
+    @pytest.mark.parametrize("stop", ["abort"])
+    def test_the_notification_behind_an_abort_ends_it(self, stop: str, batches: str) -> None:
+        """The abort case of the test above: the notification posted after it is the end."""
+        super().test_stopping_mid_transfer_means_no_more_bytes_land(stop, batches)
