@@ -29,7 +29,7 @@ import xferkit as xk
 import xferkit_nixl
 from xferkit.driver import Posted, Status
 from xferkit.testing.conformance import drain_until, require_backend
-from xferkit.testing.peer import PeerProcess, Setup
+from xferkit.testing.peer import PeerProcess
 from xferkit.testing.reference import RegionSpec
 from xferkit_nixl.backend import NixlDriver, NixlOptions
 from xferkit_nixl.memory import Kinds, memory_kind, split_by_kind
@@ -379,20 +379,12 @@ def test_split_writes_release_every_request_and_a_refused_post_leaves_nothing() 
 def test_a_pending_request_released_by_abort_reports_failed() -> None:
     """A frozen peer keeps UCX's connection set-up, so the request, pending; abort releases it."""
     specs = [RegionSpec(pool="p", name="buf", layer=0, shape=(1 << 16,), itemsize=1)]
-    slots = {"p": 4}
     src = np.full((4, 1 << 16), 7, np.uint8)
     driver = Recording()
     with PeerProcess() as proc, xk.Backend(driver) as a:
-        ready = proc.ask(
-            Setup(
-                backend="nixl", options={}, specs=specs, src_tp=1, dst_tp=1, src_slots=slots,
-                dst_slots=slots, role="dst", index=0,
-            )
-        )  # fmt: skip
-        assert ready.ok, ready.error
-        dm = xk.Manifest.decode(ready.manifest)
+        endpoint, dm = proc.receiver("nixl", specs, 4)
         a.register(_manifest({"buf": src}))
-        peer = a.connect(ready.endpoint, dm)
+        peer = a.connect(endpoint, dm)
         whole = _descs([(src.ctypes.data, dm.regions[0].addr, src.nbytes)])
         os.kill(proc.pid, signal.SIGSTOP)
         try:

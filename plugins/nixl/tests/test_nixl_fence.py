@@ -29,7 +29,7 @@ import pytest
 import xferkit as xk
 from xferkit.driver import Status
 from xferkit.testing.conformance import drain_until, require_backend
-from xferkit.testing.peer import PeerProcess, Setup
+from xferkit.testing.peer import PeerProcess
 from xferkit.testing.reference import RegionSpec
 from xferkit_nixl import backend as nixl_backend
 from xferkit_nixl import sockets
@@ -154,19 +154,11 @@ def test_a_fence_cuts_this_backends_own_writes_and_keeps_its_peers() -> None:
     into the destroyed agent; the agent is gone; the same Peer then works (its metadata is
     loaded into the new agent)."""
     specs = [RegionSpec(pool="p", name="buf", layer=0, shape=(1 << 22,), itemsize=1)]
-    slots = {"p": 1}
     src = np.full(1 << 22, 5, np.uint8)
     with PeerProcess() as proc, xk.open_backend("nixl") as b:
-        ready = proc.ask(
-            Setup(
-                backend="nixl", options={}, specs=specs, src_tp=1, dst_tp=1, src_slots=slots,
-                dst_slots=slots, role="dst", index=0,
-            )
-        )  # fmt: skip
-        assert ready.ok, ready.error
-        dm = xk.Manifest.decode(ready.manifest)
+        endpoint, dm = proc.receiver("nixl", specs, 1)
         b.register(_manifest(src, "s"))
-        peer = b.connect(ready.endpoint, dm)
+        peer = b.connect(endpoint, dm)
         whole = _one(src.ctypes.data, dm.regions[0].addr, src.nbytes)
         b.write(peer, whole).wait(10)  # the connection is up
         old = weakref.ref(b.driver._agent.agent)  # type: ignore[attr-defined]

@@ -160,6 +160,21 @@ class PeerProcess(Closing):
             raise RuntimeError(f"peer process {self.pid} exited (code {self._proc.wait()})")
         return self._decoder.decode(line)
 
+    def receiver(
+        self, backend: str, specs: list[RegionSpec], slots: int, options: dict | None = None
+    ) -> tuple[bytes, Manifest]:
+        """Set this process up as decode rank 0 of TP 1 (``slots`` slots of each pool of
+        ``specs``) on ``backend``; its endpoint and manifest."""
+        pools = {spec.pool: slots for spec in specs}
+        ready = self.ask(
+            Setup(
+                backend=backend, options=options or {}, specs=specs, src_tp=1, dst_tp=1,
+                src_slots=pools, dst_slots=pools, role="dst", index=0,
+            )
+        )  # fmt: skip
+        assert ready.ok, ready.error
+        return ready.endpoint, Manifest.decode(ready.manifest)
+
     def close(self) -> None:
         if self._proc.poll() is None:
             assert self._proc.stdin is not None
