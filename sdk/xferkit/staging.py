@@ -144,6 +144,8 @@ class StagedPlan:
             (s for s in groups if s.path != "direct"), key=lambda s: order[s.path]
         )
         self._layered: dict[frozenset[int], tuple[list[RegionGroup], list[_RoutedGroup]]] = {}
+        # The pools a destination unpacks from staging: asked once per request per source.
+        self._unpacked = frozenset(s.group.pool for s in self._staged if s.dst_side)
 
     def _of_layers(self, layers: Layers) -> tuple[list[RegionGroup], list[_RoutedGroup]]:
         """The direct and staged groups with only the regions of ``layers`` (None: all)."""
@@ -174,7 +176,7 @@ class StagedPlan:
 
     def unpacks(self, pools: Iterable[str]) -> bool:
         """Whether a request naming ``pools`` needs destination staging."""
-        return any(s.dst_side and s.group.pool in pools for s in self._staged)
+        return not self._unpacked.isdisjoint(pools)
 
     def expand(
         self,

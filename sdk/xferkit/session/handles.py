@@ -141,7 +141,8 @@ class _Handle:
 
     def _move(self, state: State) -> bool:
         with self._lock:
-            if self.done or state <= self._state:
+            cur = self._state  # forward only, and FAILED (0) sticks
+            if state <= cur or cur is State.FAILED:
                 return False
             self._state = state
             self._times[state] = time.monotonic()

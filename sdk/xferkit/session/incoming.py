@@ -107,7 +107,7 @@ class Incoming:
                 src.offer = self.unpacker.offer(u.staged, rec.slots)
         self.unpacker.fit(rec.needed.values())
         if not any(src.offer for src in rec.needed.values()):
-            self._request(rec)  # no staging to wait for (nor behind others that wait)
+            self._request(rec, live)  # no staging to wait for (nor behind others that wait)
             return
         rec.waiting_since = now
         self._waiting.append(rec)
@@ -128,16 +128,20 @@ class Incoming:
             else:
                 return
 
-    def _request(self, rec: Recv) -> None:
+    def _request(self, rec: Recv, ups: list[Up] | None = None) -> None:
+        """Send ``rec``'s Requests: to ``ups`` (its sources' pairs, live now), or to those of
+        its sources still live after it waited for staging."""
+        if ups is None:
+            got = [self.pairs.ups.get(a) for a in rec.sources]
+            gone = [a for a, u in zip(rec.sources, got, strict=True) if u is None or not u.ready]
+            if gone:  # its pair went while the request waited for staging
+                why = f"source {gone[0]} went away while the request waited for staging"
+                self.fail(rec, "peer lost", why, gone[0], self.now)
+                return
+            ups = [u for u in got if u is not None]
         packed = wire.pack_slots(rec.slots)
-        ups = [self.pairs.ups.get(a) for a in rec.sources]
-        gone = [a for a, u in zip(rec.sources, ups, strict=True) if u is None or not u.ready]
-        if gone:  # its pair went while the request waited for staging
-            why = f"source {gone[0]} went away while the request waited for staging"
-            self.fail(rec, "peer lost", why, gone[0], self.now)
-            return
-        for address, u in zip(rec.sources, ups, strict=True):
-            assert u is not None
+        for u in ups:
+            address = u.address
             need = rec.needed.get(address)
             request = wire.Request(
                 rid=rec.rid,
@@ -155,11 +159,15 @@ class Incoming:
         self._check(rec)
 
     def _check(self, rec: Recv) -> None:
-        if rec.error is None and rec.started and all(s.complete for s in rec.needed.values()):
-            self._release_slices(rec)
-            del self.recvs[rec.rid]
-            self.out.routed(rec.handle, rec.routes, rec.timeline)
-            self.out.done(rec.handle, rec.rid)
+        if rec.error is not None or not rec.started:
+            return
+        for src in rec.needed.values():  # a loop, not all(): this runs on every completion
+            if not src.complete:
+                return
+        self._release_slices(rec)
+        del self.recvs[rec.rid]
+        self.out.routed(rec.handle, rec.routes, rec.timeline)
+        self.out.done(rec.handle, rec.rid)
 
     def _release_slices(self, rec: Recv) -> None:
         """Return ``rec``'s staging: every write into it landed or was confirmed stopped."""

@@ -48,6 +48,7 @@ class Protocol:
         self.last: float | None = None
         self.tick_s = min(settings.heartbeat_s / 4, 0.05)
         self._tick_at = 0.0  # the first timer runs at once
+        self._paused_s = settings.dead_after_s - settings.heartbeat_s  # a longer gap: paused
 
     def start(self) -> list[act.Action]:
         """What the shell does first (open the group membership, if any)."""
@@ -59,8 +60,8 @@ class Protocol:
         their slots: nothing more is written to them before a new handshake."""
         last, self.last = self.last, now
         self.outgoing.now = self.incoming.now = now
-        gap = 0.0 if last is None else now - last
-        if gap > self.s.dead_after_s - self.s.heartbeat_s and self.pairs.downs:
+        if last is not None and now - last > self._paused_s and self.pairs.downs:
+            gap = now - last
             why = (
                 f"{self.s.where('prefill')} was paused for {gap:.1f} s (dead_after_s="
                 f"{self.s.dead_after_s}): its decode ranks may have declared it lost"

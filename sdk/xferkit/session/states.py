@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import msgspec
+
 from ..errors import XferError
 
 
@@ -23,8 +25,7 @@ STAGES = ("handshake", "plan", "transfer", "timeout", "abort", "peer lost", "clo
 """Where a request can fail; ``RequestError.stage`` is one of these."""
 
 
-@dataclass(frozen=True, slots=True)
-class Routes:
+class Routes(msgspec.Struct, frozen=True):
     """How a request went, known once it ended: ``staged`` and ``direct`` count its chunks
     (one per decode rank written) by route, ``staging_wait_s`` is how long they waited for
     staging memory (summed; a busy Session queues a chunk rather than send it the slower

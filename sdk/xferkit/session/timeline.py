@@ -20,14 +20,14 @@ chunks pipeline.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 STAGES: Final = ("plan", "pack", "post", "wire", "landed", "unpack")
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+class Span(msgspec.Struct, frozen=True):
     """One stage of a request on this rank: when its first piece of work began and its last
     ended (monotonic seconds), and how long the work itself took, summed."""
 

@@ -54,8 +54,9 @@ class Unpacker:
 
     def offer(self, staged: StagedPlan, slots: Mapping[str, np.ndarray]) -> int:
         """Bytes of staging to offer a source for a request naming ``slots`` (0: none)."""
-        pools = [p for p in slots if staged.unpacks([p])]
-        need = sum(self._slot_bytes.get(p, 0) * slots[p].size for p in pools)
+        need = sum(
+            self._slot_bytes.get(p, 0) * s.size for p, s in slots.items() if staged.unpacks((p,))
+        )
         return min(2 * aligned(need), self.s.arena.slice_bytes) if need else 0
 
     def fit(self, sources: Iterable[Source]) -> None:

@@ -312,7 +312,7 @@ class Ended(msgspec.Struct, frozen=True, array_like=True, tag="ended"):
 
 def pack_slots(slots: Mapping[str, Any]) -> dict[str, bytes]:
     """Slot indices per pool as a ``Request`` carries them (``SLOT``)."""
-    return {p: np.asarray(s).astype(SLOT).tobytes() for p, s in slots.items()}
+    return {p: np.asarray(s).astype(SLOT, copy=False).tobytes() for p, s in slots.items()}
 
 
 def written(tag: Tag) -> Written:
