@@ -223,14 +223,16 @@ class Transfer:
             if self._phase is not Phase.SENDING:
                 return
         while True:
-            states = [p.poll() for p in self._running]
-            pairs = list(zip(self._running, states, strict=True))
-            failed = next((p for p, st in pairs if st is Status.FAILED), None)
-            if failed is not None:
-                self._fail(failed.error, getattr(failed, "cause", None))
-                return
-            self._running = [p for p, st in pairs if st is Status.PENDING]
-            if self._running:
+            running: list[Posted] = []  # a plain loop: a write is polled a few times a request
+            for p in self._running:
+                st = p.poll()
+                if st is Status.FAILED:  # the first to fail (in posting order) is the cause
+                    self._fail(p.error, getattr(p, "cause", None))
+                    return
+                if st is Status.PENDING:
+                    running.append(p)
+            self._running = running
+            if running:
                 break
             if not self._waiting:  # every batch posted and done
                 self._release_all()

@@ -237,13 +237,15 @@ class Shell:
         p = self.protocol
         assert p is not None
         router = self.router
-        while sockets.waiting(router) and time.monotonic() <= self._until:
+        more = True  # the poll said a message waits: asking again first would cost a call
+        while more and time.monotonic() <= self._until:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # EAGAIN aside, said
                 if exc.errno != zmq.EAGAIN:
                     log.warning("%s: receiving: %s", self.where, exc)
                 return
+            more = sockets.waiting(router)
             self._yield()
             if len(frames) != 2:
                 log.warning("%s: dropped a message of %d frames", self.where, len(frames))
