@@ -145,7 +145,10 @@ class _Handle:
             if state <= cur or cur is State.FAILED:
                 return False
             self._state = state
-            self._times[state] = time.monotonic()
+            t = time.monotonic()
+            if state is State.DONE:  # it transferred, at the latest now (the core says DONE
+                self._times.setdefault(State.TRANSFERRING, t)  # alone when the first is last)
+            self._times[state] = t
             if state is State.DONE and self._cond is not None:  # they wait for the end only
                 self._cond.notify_all()
             return True

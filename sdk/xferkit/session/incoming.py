@@ -158,16 +158,18 @@ class Incoming:
         self.out.move(rec.handle, State.WAITING)
         self._check(rec)
 
-    def _check(self, rec: Recv) -> None:
+    def _check(self, rec: Recv) -> bool:
+        """DONE once every source needed is complete; whether it is."""
         if rec.error is not None or not rec.started:
-            return
+            return False
         for src in rec.needed.values():  # a loop, not all(): this runs on every completion
             if not src.complete:
-                return
+                return False
         self._release_slices(rec)
         del self.recvs[rec.rid]
         self.out.routed(rec.handle, rec.routes, rec.timeline)
         self.out.done(rec.handle, rec.rid)
+        return True
 
     def _release_slices(self, rec: Recv) -> None:
         """Return ``rec``'s staging: every write into it landed or was confirmed stopped."""
@@ -356,8 +358,9 @@ class Incoming:
         src.seen += 1
         if tag.total:
             src.total = tag.total
-        self.out.move(rec.handle, State.TRANSFERRING)
-        self._check(rec)
+        if not self._check(rec) and not rec.moving:
+            rec.moving = True
+            self.out.move(rec.handle, State.TRANSFERRING)
 
     def _unpack(self, rec: Recv, up: Up, src: Source, r: wire.Round, now: float) -> bool:
         """Unpack a staged round; False (the request failed) for one matching nothing offered."""

@@ -75,6 +75,7 @@ class Shell:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._wake_fd = self._wake_r.fileno()
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
@@ -165,13 +166,15 @@ class Shell:
         if self.commands:  # left over by the last pass's budget
             wait = 0.0
         events = dict(self._poller.poll(math.ceil(min(wait, most_s) * 1000)))
-        if events.pop(self._wake_r.fileno(), None) is not None:
+        if events.pop(self._wake_fd, None) is not None:
             with contextlib.suppress(OSError):
                 self._wake_r.recv(4096)
         self._until = time.monotonic() + BUDGET_S
-        self._drain_router(events)
-        self._until = time.monotonic() + BUDGET_S  # a flood there starves not these
-        self._drain_dealers(events)
+        if events.pop(self.router, None) is not None:
+            self._drain_router()
+            self._until = time.monotonic() + BUDGET_S  # a flood there starves not these
+        if events:
+            self._drain_dealers(events)
         if (self._notify_fd is not None and events.pop(self._notify_fd, None) is not None) or (
             self._poll_notes and p.incoming.recvs
         ):
@@ -231,9 +234,7 @@ class Shell:
         self.data.stop(1.0)
         time.sleep(0.05)  # let the byes leave before the sockets close
 
-    def _drain_router(self, events: dict[Any, int]) -> None:
-        if events.pop(self.router, None) is None:
-            return
+    def _drain_router(self) -> None:
         p = self.protocol
         assert p is not None
         router = self.router
