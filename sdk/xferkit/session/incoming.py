@@ -358,8 +358,8 @@ class Incoming:
         src.seen += 1
         if tag.total:
             src.total = tag.total
-        if not self._check(rec) and not rec.moving:
-            rec.moving = True
+        if not self._check(rec) and not rec.transferring:
+            rec.transferring = True
             self.out.move(rec.handle, State.TRANSFERRING)
 
     def _unpack(self, rec: Recv, up: Up, src: Source, r: wire.Round, now: float) -> bool:

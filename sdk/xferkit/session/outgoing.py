@@ -248,8 +248,8 @@ class Outgoing:
         dst.pending[wid] = tag
         dst.down.writes += 1
         rec.descriptors[r is not None] += len(descs)
-        if rec.handle is not None and not rec.moving:
-            rec.moving = True
+        if rec.handle is not None and not rec.transferring:
+            rec.transferring = True
             self.out.move(rec.handle, State.TRANSFERRING)
 
     def _posting(

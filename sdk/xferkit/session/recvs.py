@@ -29,7 +29,7 @@ class Recv:
         self.needed: dict[str, Source] = {}
         self.requested: set[str] = set()
         self.started = False
-        self.moving = False  # its handle was told TRANSFERRING (once; DONE implies it)
+        self.transferring = False  # its handle was told so (once; DONE implies it)
         self.error: RequestError | None = None
         self.acks: set[str] = set()
         self.barriers: set[str] = set()  # sources whose writes' end is still on the data path

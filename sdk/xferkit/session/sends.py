@@ -214,7 +214,7 @@ class SendRec:
     def __init__(self, rid: str, deadline: float) -> None:
         self.rid = rid
         self.handle: object | None = None
-        self.moving = False  # its handle was told TRANSFERRING (once: a move per write cost)
+        self.transferring = False  # its handle was told so (once: a move per write cost)
         self.dsts: dict[tuple[int, int], Dst] = {}  # (pipeline stage, TP rank) -> its part
         self.dst_size: tuple[int, int] | None = None  # decode (TP size, pipeline stages)
         self.chunks: list[tuple[dict[str, np.ndarray], bool, Layers]] = []
