@@ -129,8 +129,7 @@ class Incoming:
                 return
 
     def _request(self, rec: Recv, ups: list[Up] | None = None) -> None:
-        """Send ``rec``'s Requests: to ``ups`` (its sources' pairs, live now), or to those of
-        its sources still live after it waited for staging."""
+        """Send ``rec``'s Requests to ``ups``, or, after a wait for staging, its live sources."""
         if ups is None:
             got = [self.pairs.ups.get(a) for a in rec.sources]
             gone = [a for a, u in zip(rec.sources, got, strict=True) if u is None or not u.ready]
@@ -141,8 +140,7 @@ class Incoming:
             ups = [u for u in got if u is not None]
         packed = wire.pack_slots(rec.slots)
         for u in ups:
-            address = u.address
-            need = rec.needed.get(address)
+            need = rec.needed.get(u.address)
             request = wire.Request(
                 rid=rec.rid,
                 gen=rec.gen,
@@ -154,7 +152,7 @@ class Incoming:
                 skip=rec.skip,
             )
             self.out.send(u.conn, request)
-            rec.requested.add(address)
+            rec.requested.add(u.address)
         self.out.move(rec.handle, State.WAITING)
         self._check(rec)
 

@@ -61,9 +61,8 @@ class Protocol:
         last, self.last = self.last, now
         self.outgoing.now = self.incoming.now = now
         if last is not None and now - last > self._paused_s and self.pairs.downs:
-            gap = now - last
             why = (
-                f"{self.s.where('prefill')} was paused for {gap:.1f} s (dead_after_s="
+                f"{self.s.where('prefill')} was paused for {now - last:.1f} s (dead_after_s="
                 f"{self.s.dead_after_s}): its decode ranks may have declared it lost"
             )
             log.warning("%s: %s", self.s.address, why)

@@ -1,13 +1,12 @@
 """The I/O shell: the only code that touches ZMQ, and the control thread that runs it.
 
-One ROUTER (decode ranks, group members and roster lookups connect to it), one
-DEALER per connection the core opens, each with a socket monitor (a refused
-Curve key, a closed peer), and a socketpair that wakes the loop. The loop
-sleeps until a socket, a command or the core's next deadline, feeds each event
-to the core (``Protocol``) and carries out its actions: messages to sockets,
-driver work to the data-plane worker (``DataPlane``), state to the engine's
-handles. It never calls the driver itself, except to drain notifications and to poll a
-write whose driver said it ended (``DataPlane.poll_kicked``).
+One ROUTER (decode ranks, group members and roster lookups connect to it), one DEALER per
+connection the core opens, each with a socket monitor (a refused Curve key, a closed peer),
+and a socketpair that wakes the loop. The loop sleeps until a socket, a command or the
+core's next deadline, feeds each event to the core (``Protocol``) and carries out its
+actions: messages to sockets, driver work to the data-plane worker (``DataPlane``), state
+to the engine's handles. It never calls the driver itself, except to drain notifications
+and to poll a write whose driver said it ended (``DataPlane.poll_kicked``).
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ class Shell:
         self._wake_fd = self._wake_r.fileno()
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
-        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
         self._socks: dict[act.Conn, zmq.Socket[Any]] = {}
         self._monitors: dict[zmq.Socket[Any], act.Conn] = {}
         self._dealers: dict[zmq.Socket[Any], act.Conn] = {}
@@ -160,11 +159,10 @@ class Shell:
         messages, notifications, commands and timers; True once a command closed the session."""
         p = self.protocol
         assert p is not None
-        wait = max(p.next_deadline() - time.monotonic(), 0.0)
+        # Commands left over by the last pass's budget: no wait.
+        wait = 0.0 if self.commands else max(p.next_deadline() - time.monotonic(), 0.0)
         if self._poll_notes and p.incoming.recvs:
             wait = min(wait, POLL_S)
-        if self.commands:  # left over by the last pass's budget
-            wait = 0.0
         events = dict(self._poller.poll(math.ceil(min(wait, most_s) * 1000)))
         if events.pop(self._wake_fd, None) is not None:
             with contextlib.suppress(OSError):
@@ -237,16 +235,15 @@ class Shell:
     def _drain_router(self) -> None:
         p = self.protocol
         assert p is not None
-        router = self.router
         more = True  # the poll said a message waits: asking again first would cost a call
         while more and time.monotonic() <= self._until:
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # EAGAIN aside, said
                 if exc.errno != zmq.EAGAIN:
                     log.warning("%s: receiving: %s", self.where, exc)
                 return
-            more = sockets.waiting(router)
+            more = sockets.waiting(self.router)
             self._yield()
             if len(frames) != 2:
                 log.warning("%s: dropped a message of %d frames", self.where, len(frames))

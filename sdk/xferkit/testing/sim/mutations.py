@@ -167,7 +167,7 @@ MUTATIONS = (
             Edit(
                 Protocol,
                 "_enter",
-                "if gap > self.s.dead_after_s - self.s.heartbeat_s and self.pairs.downs:",
+                "if last is not None and now - last > self._paused_s and self.pairs.downs:",
                 "if False:",
             ),
         ),
