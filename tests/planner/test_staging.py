@@ -8,14 +8,23 @@ round overflows its staging, and the cost model keeps equal TP and HND direct.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xferkit import ArgumentError, PlanError, coverage, plan
+from xferkit import ArgumentError, PlanError, coverage, plan, staging
 from xferkit.staging import PATHS, Force, stage
-from xferkit.testing import Reference, RegionSpec, layouts, slot_requests, staged_handoff
+from xferkit.testing import (
+    Reference,
+    RegionSpec,
+    for_rank,
+    layouts,
+    slot_requests,
+    staged_handoff,
+)
 from xferkit.testing.strategies import INTERESTING_TP
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -223,3 +232,32 @@ def test_a_costly_local_copy_prefers_one_copy_and_a_cheap_one_two() -> None:
     assert {r.path for r in dear.values()} == {"pack"}
     assert {r.path for r in cheap.values()} == {"both"}
     assert "2.4 per copied byte" in next(iter(dear.values())).why
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_chunk_that_fits_its_staging_is_one_round_copying_what_the_greedy_cut_does(
+    data: st.DataObject,
+) -> None:
+    """The one-round cut (in plain integers) against the greedy cut run on the same chunk:
+    the same staging sizes and, placed at the same bases, the same copies."""
+    layout = data.draw(layouts())
+    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
+    force = data.draw(FORCES)
+    srcs = [r.manifest for r in ref.srcs]
+    for rank in ref.dsts:
+        wanted = for_rank(rank.manifest, request)
+        cov = coverage(srcs, rank.manifest)
+        for si in cov.sources:
+            staged = stage(cov.plans[si], descriptor_bytes=4096, force=force)
+            one = staged.expand(wanted, src_capacity=1 << 40, dst_capacity=1 << 40).rounds
+            with mock.patch.object(staging, "_rounds", staging._greedy):
+                cut = staged.expand(wanted, src_capacity=1 << 40, dst_capacity=1 << 40).rounds
+            assert len(one) == len(cut) <= 1
+            for a, b in zip(one, cut, strict=True):
+                assert (a.src_bytes, a.dst_bytes) == (b.src_bytes, b.dst_bytes)
+                copies = zip(a.expand(1 << 30, 1 << 40), b.expand(1 << 30, 1 << 40), strict=True)
+                for x, y in copies:
+                    assert np.array_equal(x.src, y.src) and np.array_equal(x.dst, y.dst)
+                    assert np.array_equal(x.nbytes, y.nbytes)
