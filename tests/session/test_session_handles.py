@@ -4,14 +4,18 @@ request went through TRANSFERRING even when the core said DONE at its first comp
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 import pytest
 
+from xferkit import open_backend
 from xferkit.errors import XferError
+from xferkit.session import Session
 from xferkit.session.handles import Receive
 from xferkit.session.states import RequestError, State
+from xferkit.testing import Reference, gdn_hybrid
 
 
 class _Owner:
@@ -77,3 +81,22 @@ def test_a_wait_past_its_timeout_raises_and_leaves_no_gate() -> None:
     assert not h._gates  # nothing is left for the end to open
     h._done()
     assert h.wait(0) is State.DONE
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e300, None])
+def test_a_wait_without_a_bound_waits_for_the_end(timeout: float | None) -> None:
+    """``wait(math.inf)`` is an engine's "forever": it raised OverflowError (past what a
+    lock's timeout takes) instead of waiting."""
+    h = Receive(_Owner(), "r")  # type: ignore[arg-type]
+    threading.Timer(0.05, h._done).start()
+    assert h.wait(timeout) is State.DONE
+
+
+def test_a_session_closed_without_a_bound_closes() -> None:
+    """``close(timeout=math.inf)`` raised OverflowError from the control thread's join."""
+    ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots={"kv": 4, "state": 2},
+                    dst_slots={"kv": 4, "state": 2})  # fmt: skip
+    session = Session(open_backend("loopback"), ref.srcs[0].manifest)
+    session.close(timeout=math.inf)
+    with pytest.raises(XferError, match="is closed"):
+        session.offer("r")

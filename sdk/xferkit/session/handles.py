@@ -141,8 +141,10 @@ class _Handle:
         else:
             self._gates.append(gate)
         self._lock.release()
+        # Past a lock's bound (``math.inf``: an engine's "forever") acquire would raise.
+        bound = -1.0 if seconds is None or seconds > threading.TIMEOUT_MAX else seconds
         try:
-            opened = gate.acquire(True, -1 if seconds is None else seconds)
+            opened = gate.acquire(True, bound)
         finally:
             self._lock.acquire()
         if not opened and self._gates is not None and gate in self._gates:

@@ -119,7 +119,7 @@ class Shell:
     def join(self, timeout: float) -> bool:
         """Wait for the control thread to end; False if it has not."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(min(timeout, threading.TIMEOUT_MAX))  # inf: a lock would raise
             return not self._thread.is_alive()
         return True
 
