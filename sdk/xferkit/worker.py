@@ -101,10 +101,26 @@ B = TypeVar("B", bound="QueuedBatch")
 
 class BatchWorker(Generic[B]):
     """A daemon thread running ``execute(batch) -> error text or None`` for each posted batch,
-    in the order posted; an exception ``execute`` raises fails that batch, with its text."""
+    in the order posted; an exception ``execute`` raises fails that batch, with its text.
 
-    def __init__(self, execute: Callable[[B], str | None], name: str) -> None:
-        self._execute = execute
+    ``together(run)``, when given, moves several batches in one engine call: batches queued
+    behind the one taken (not cancelled; at most ``max_run`` of them with ``max_entries``
+    descriptors in all) go to it as one run, in order, and each ends with its outcome. An
+    engine whose every call costs a fixed round trip then pays it once per run, not once per
+    batch, exactly when batches queue up: under load.
+    """
+
+    def __init__(
+        self,
+        execute: Callable[[B], str | None],
+        name: str,
+        *,
+        together: Callable[[list[B]], str | None] | None = None,
+        max_run: int = 32,
+        max_entries: int = 1024,
+    ) -> None:
+        self._execute, self._together = execute, together
+        self._max_run, self._max_entries = max_run, max_entries
         self._queue: queue.SimpleQueue[B | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -126,11 +142,47 @@ class BatchWorker(Generic[B]):
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        while (batch := self._queue.get()) is not None:
+        held: list[B | None] = []  # taken from the queue but not fitting the last run
+        while (batch := held.pop() if held else self._queue.get()) is not None:
             if batch.cancelled:
                 batch.end("aborted before it ran")
                 continue
+            run = [batch]
+            if self._together is not None:
+                held = self._gather(run)
+            self._finish(run)
+
+    def _gather(self, run: list[B]) -> list[B | None]:
+        """Add the batches queued now that fit ``run``; what was taken but does not fit."""
+        entries = _entries(run[0])
+        while len(run) < self._max_run:
             try:
-                batch.end(self._execute(batch))
-            except Exception as exc:  # never let the worker die silently
-                batch.end(f"driver worker error: {type(exc).__name__}: {exc}")
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return []
+            if batch is None or entries + _entries(batch) > self._max_entries:
+                return [batch]
+            if batch.cancelled:
+                batch.end("aborted before it ran")
+                continue
+            run.append(batch)
+            entries += _entries(batch)
+        return []
+
+    def _finish(self, run: list[B]) -> None:
+        try:
+            if len(run) == 1:
+                error = self._execute(run[0])
+            else:
+                assert self._together is not None
+                error = self._together(run)
+                if error is not None:
+                    error += f" (one engine call moved this batch and {len(run) - 1} queued behind)"
+        except Exception as exc:  # never let the worker die silently
+            error = f"driver worker error: {type(exc).__name__}: {exc}"
+        for batch in run:
+            batch.end(error)
+
+
+def _entries(batch: QueuedBatch) -> int:
+    return 1 if batch.descs is None else len(batch.descs)

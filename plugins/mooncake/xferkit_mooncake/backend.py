@@ -51,7 +51,7 @@ from xferkit.driver import (
 
 from . import engine as _engine
 from .codes import check, code_name, explain
-from .lane import Lane, Local, decode_message
+from .lane import Lane, Local, decode_messages
 from .memory import Holdings, Runs
 
 log = logging.getLogger("xferkit.mooncake")
@@ -306,9 +306,10 @@ class MooncakeDriver(Driver):
         # Retired engines too: a notification sent alone moves no byte, so a peer holding an
         # old endpoint may still deliver one there.
         return [
-            (n.name, decode_message(n.msg))
+            (n.name, message)
             for engine, _ in (*self._retired, (self.engine, self.address))
             for n in engine.get_notifies()
+            for message in decode_messages(n.msg)
         ]
 
     def close(self) -> None:

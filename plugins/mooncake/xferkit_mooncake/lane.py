@@ -4,9 +4,11 @@ Mooncake's only non-blocking completion check (``transfer_check_status``)
 covers a single transfer, and ``get_batch_transfer_status`` spins until the
 whole batch ends, so a batch is run by a worker with the synchronous batch
 call (which releases the GIL) and the caller only ever reads a flag. One
-worker per peer keeps at most one batch (<= 1024 entries) in flight towards
+worker per peer keeps at most one call (<= 1024 entries) in flight towards
 it, under the TCP transport's per-peer queue limit, and a slow or dead peer
-never delays the others.
+never delays the others. The batches queued behind the one taken go in the
+same call, their messages framed in one notification: a call costs a round
+trip whatever it carries, and under load they queue.
 
 A batch inside the engine cannot be cancelled: the binding offers no abort, and
 freeing a batch in flight leaves its slices moving bytes. So a released batch
@@ -20,7 +22,7 @@ import threading
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
-from xferkit.driver import BatchWorker, QueuedBatch
+from xferkit.driver import BatchWorker, Descriptors, QueuedBatch
 
 from .codes import explain, explain_transfer
 
@@ -28,17 +30,35 @@ PROBE_S = 1.0
 """How long a failed batch waits for ``send_probe`` to tell a refusal from a silent peer."""
 
 
-def encode_message(message: bytes) -> str:
+RUN = b"\x00xferkit-run\x00"
+"""Opens a notification carrying the messages of several batches run in one call (each after
+a 4-byte little-endian length); a lone message that happens to start so is framed too."""
+
+
+def encode_messages(messages: list[bytes]) -> str:
     """TransferNotify carries a str; latin-1 maps every byte to one code point and back."""
-    return message.decode("latin-1")
+    if len(messages) == 1 and not messages[0].startswith(RUN):
+        return messages[0].decode("latin-1")
+    return (RUN + b"".join(len(m).to_bytes(4, "little") + m for m in messages)).decode("latin-1")
 
 
-def decode_message(text: str) -> bytes:
-    """The inverse of ``encode_message``; text from other senders falls back to UTF-8."""
+def decode_messages(text: str) -> list[bytes]:
+    """The inverse of ``encode_messages``; text from other senders falls back to UTF-8 and
+    comes whole, as does a frame whose lengths do not add up."""
     try:
-        return text.encode("latin-1")
+        data = text.encode("latin-1")
     except UnicodeEncodeError:
-        return text.encode("utf-8")
+        return [text.encode("utf-8")]
+    if not data.startswith(RUN):
+        return [data]
+    messages, at = [], len(RUN)
+    while at < len(data):
+        size = int.from_bytes(data[at : at + 4], "little")
+        if at + 4 + size > len(data):
+            return [data]
+        messages.append(data[at + 4 : at + 4 + size])
+        at += 4 + size
+    return messages
 
 
 class Local:
@@ -65,23 +85,34 @@ class Lane(BatchWorker[QueuedBatch]):
     def __init__(self, local: Local, segment: str) -> None:
         self.segment = segment
         super().__init__(
-            lambda job: _execute(local, segment, job), name=f"xferkit-mooncake-{segment}"
+            lambda job: _execute(local, segment, [job]),
+            name=f"xferkit-mooncake-{segment}",
+            together=lambda run: _execute(local, segment, run),
+            max_entries=MAX_ENTRIES,
         )
 
 
-def _execute(local: Local, segment: str, job: QueuedBatch) -> str | None:
-    d = job.descs
-    assert d is not None  # the driver sends a notification alone as a zero-length entry
+MAX_ENTRIES = 1024
+"""Most entries one call carries: under the TCP transport's queue limit per peer."""
+
+
+def _execute(local: Local, segment: str, run: list[QueuedBatch]) -> str | None:
+    """One engine call for the batches of ``run``; the notification (their messages, in
+    order) goes after all their data."""
+    descs = [job.descs for job in run if job.descs is not None]
+    assert descs  # the driver sends a notification alone as a zero-length entry
+    d = descs[0] if len(descs) == 1 else _moving(Descriptors.concat(descs))
     engine, sender = local.engine, local.segment
     if engine is None:
         return "the Mooncake driver was closed before this batch ran"
     src, dst, nbytes = d.src.tolist(), d.dst.tolist(), d.nbytes.tolist()
-    if job.notify is None:
+    messages = [job.notify for job in run if job.notify is not None]
+    if not messages:
         call = "batch_transfer_sync_write"
         rc = engine.batch_transfer_sync_write(segment, src, dst, nbytes)
     else:
         call = "batch_transfer_sync with TransferNotify"
-        note = TransferNotify(sender, encode_message(job.notify))
+        note = TransferNotify(sender, encode_messages(messages))
         rc = engine.batch_transfer_sync(segment, src, dst, nbytes, TransferOpcode.Write, note)
     if rc == 0:
         return None
@@ -102,6 +133,18 @@ def _execute(local: Local, segment: str, job: QueuedBatch) -> str | None:
             "segment) or the transfer stalled; the engine's log on stderr has the details"
         )
     return text + f"send_probe to it returned {explain(probe)}: the peer is gone or unreachable"
+
+
+def _moving(d: Descriptors) -> Descriptors:
+    """The entries that move bytes; the first (zero-length) one when none does, to carry the
+    notification of notifications sent alone."""
+    keep = d.nbytes > 0
+    if keep.all():
+        return d
+    if not keep.any():
+        keep[1:] = False
+        keep[0] = True
+    return Descriptors(d.src[keep], d.dst[keep], d.nbytes[keep])
 
 
 def _probe(engine: TransferEngine, segment: str) -> int | None:

@@ -1,0 +1,137 @@
+"""``BatchWorker``: batches run in the order posted; with ``together``, those queued behind
+the running one go as one run (bounded), each ending with the run's outcome."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from xferkit.driver import BatchWorker, Descriptors, QueuedBatch, Status
+
+WAIT_S = 30.0
+
+
+def _batch(entries: int, tag: int) -> QueuedBatch:
+    ones = np.full(entries, tag, np.uint64)
+    return QueuedBatch(Descriptors(ones, ones, ones), f"m{tag}".encode())
+
+
+class _Engine:
+    """Holds the first call until ``go`` is set, so that the next batches queue behind it;
+    records what each call received."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[list[bytes | None]] = []
+        self.error = error
+
+    def one(self, batch: QueuedBatch) -> str | None:
+        return self.many([batch])
+
+    def many(self, run: list[QueuedBatch]) -> str | None:
+        self.entered.set()
+        self.go.wait(WAIT_S)
+        self.calls.append([b.notify for b in run])
+        return self.error
+
+
+def _post_behind(worker: BatchWorker[QueuedBatch], engine: _Engine, batches: list[QueuedBatch]):
+    first = _batch(1, 99)
+    worker.post(first)
+    assert engine.entered.wait(WAIT_S)  # the worker holds ``first``: the rest queue behind
+    for b in batches:
+        worker.post(b)
+    engine.go.set()
+    for b in [first, *batches]:
+        b.block(WAIT_S)
+    return first
+
+
+def test_batches_queued_behind_run_together_in_order_within_the_bounds() -> None:
+    engine = _Engine()
+    worker = BatchWorker(engine.one, "t", together=engine.many, max_run=4, max_entries=10)
+    batches = [_batch(3, i) for i in range(9)]
+    _post_behind(worker, engine, batches)
+    # The first ran alone (nothing was queued when it started); the rest in runs of at most
+    # 4 batches and 10 entries (3 + 3 + 3).
+    assert engine.calls[0] == [b"m99"]
+    runs = engine.calls[1:]
+    assert [m for run in runs for m in run] == [f"m{i}".encode() for i in range(9)]
+    assert [len(run) for run in runs] == [3, 3, 3]
+    assert all(b.poll() is Status.DONE for b in batches)
+    worker.stop()
+    assert worker.join(WAIT_S)
+
+
+def test_a_failed_run_fails_each_of_its_batches_saying_they_ran_together() -> None:
+    engine = _Engine(error="peer refused")
+    worker = BatchWorker(engine.one, "t", together=engine.many)
+    batches = [_batch(1, i) for i in range(3)]
+    first = _post_behind(worker, engine, batches)
+    assert first.error == "peer refused"  # alone: the engine's text as it was
+    for b in batches:
+        assert b.poll() is Status.FAILED
+        assert b.error.startswith("peer refused (one engine call moved this batch and 2 ")
+    worker.stop()
+    assert worker.join(WAIT_S)
+
+
+def test_a_batch_released_while_queued_is_left_out_of_the_run() -> None:
+    engine = _Engine()
+    worker = BatchWorker(engine.one, "t", together=engine.many)
+    batches = [_batch(1, i) for i in range(3)]
+    batches[1].release()
+    _post_behind(worker, engine, batches)
+    assert engine.calls[1:] == [[b"m0", b"m2"]]
+    assert batches[1].error == "aborted before it ran"
+    worker.stop()
+    assert worker.join(WAIT_S)
+
+
+def test_a_stop_queued_among_batches_ends_the_thread_after_those_before_it() -> None:
+    engine = _Engine()
+    worker = BatchWorker(engine.one, "t", together=engine.many)
+    first = _batch(1, 99)
+    worker.post(first)
+    assert engine.entered.wait(WAIT_S)
+    before = [_batch(1, i) for i in range(2)]
+    for b in before:
+        worker.post(b)
+    worker.stop()
+    after = _batch(1, 7)
+    worker.post(after)
+    engine.go.set()
+    assert worker.join(WAIT_S)
+    assert all(b.poll() is Status.DONE for b in [first, *before])
+    assert after.poll() is Status.PENDING  # never taken: the driver stopped the worker first
+
+
+def test_an_exception_in_a_run_fails_every_batch_and_the_worker_goes_on() -> None:
+    engine = _Engine()
+
+    def boom(run: list[QueuedBatch]) -> str | None:
+        engine.many(run)
+        raise RuntimeError("engine crashed")
+
+    worker = BatchWorker(engine.one, "t", together=boom)
+    batches = [_batch(1, i) for i in range(2)]
+    _post_behind(worker, engine, batches)
+    assert all(b.error == "driver worker error: RuntimeError: engine crashed" for b in batches)
+    later = _batch(1, 5)
+    worker.post(later)
+    later.block(WAIT_S)
+    assert later.poll() is Status.DONE
+    worker.stop()
+    assert worker.join(WAIT_S)
+
+
+def test_without_together_each_batch_is_its_own_call() -> None:
+    engine = _Engine()
+    worker = BatchWorker(engine.one, "t")
+    batches = [_batch(1, i) for i in range(3)]
+    _post_behind(worker, engine, batches)
+    assert engine.calls == [[b"m99"], [b"m0"], [b"m1"], [b"m2"]]
+    worker.stop()
+    assert worker.join(WAIT_S)
