@@ -4,11 +4,15 @@ Each row is one ``xferkit bench`` case (``xferkit.bench.handoff.run_case``): pre
 and decode ranks as separate processes with Session defaults, ``--requests``
 requests of random length (``--min-tokens``..``--tokens``) with ``--concurrency``
 in flight, each in ``--chunks`` chunks plus its state slot, every byte checked
-and every decode slot audited after the last. ``busy`` rows run the same with
-``--hogs`` processes spinning on the CPU, as an unrelated job would. ``one large``
-rows move a single request of ``--large-tokens`` at a time: the aggregate under
-load over it is the ``vs 1 large`` column. A failed request ends its row with the
-root cause (its stage first). Prints a table and writes
+(``--verify 0``: none) and every decode slot audited after the last. ``busy``
+rows run the same with ``--hogs`` processes spinning on the CPU, as an unrelated
+job would. Each of ``--shapes`` (``PRESET[:LAYERS]``: the mock engine's tiny
+hybrid, Llama-70B's KV heads of 128, Qwen3-Next's GDN state) gets its rows.
+``one large`` rows move a single request of ``--large-tokens`` at a time,
+without byte checks, so that the checker's hashing between requests does not
+count as transfer time: the aggregate under load over it is the ``vs 1 large``
+column (with checks on, the load rows pay for theirs). A failed request ends its
+row with the root cause (its stage first). Prints a table and writes
 benchmarks/results/engine_load.json.
 """
 
@@ -50,9 +54,10 @@ def _busy(hogs: int) -> Iterator[None]:
 
 
 def _case(
-    driver: str, work: Workload, tp: tuple[int, int], machine: str, shape: str, hogs: int
-) -> dict[str, Any]:
-    row: dict[str, Any] = {"driver": driver, "shape": shape, "machine": machine}
+    driver: str, work: Workload, tp: tuple[int, int], machine: str, model: str, shape: str,
+    hogs: int,
+) -> dict[str, Any]:  # fmt: skip
+    row: dict[str, Any] = {"driver": driver, "model": model, "shape": shape, "machine": machine}
     started = time.monotonic()
     try:
         with _busy(hogs if machine == "busy" else 0):
@@ -69,24 +74,27 @@ def _case(
 
 
 def run(
-    preset: str, tp: str, requests: int, concurrency: int, chunks: int, min_tokens: int,
-    tokens: int, large_tokens: int, hogs: int, drivers: str,
+    shapes: str, tp: str, requests: int, concurrency: int, chunks: int, min_tokens: int,
+    tokens: int, large_tokens: int, hogs: int, drivers: str, verify: int,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    p = PRESETS[preset]
-    specs = shaped(p, p.layers, (p.page, p.page), ("nhd", "nhd"))
     pair = (int(tp.split(":")[0]), int(tp.split(":")[1]))
-    load = Workload(specs, tokens, (p.page, p.page), requests, concurrency, chunks,
-                    min_tokens=min_tokens)  # fmt: skip
-    large = Workload(specs, large_tokens, (p.page, p.page), 3, 1, chunks)
     rows = []
-    for driver in drivers.split(","):
-        one = _case(driver, large, pair, "quiet", "one large", 0)
-        rows.append(one)
-        for machine in ("quiet", "busy"):
-            row = _case(driver, load, pair, machine, f"{min_tokens}-{tokens} tokens", hogs)
-            if row["done"] and one["done"]:
-                row["vs_large"] = row["gbps"] / one["gbps"]
-            rows.append(row)
+    for shape in shapes.split(","):
+        name, _, layers = shape.partition(":")
+        p = PRESETS[name]
+        specs = shaped(p, int(layers or p.layers), (p.page, p.page), ("nhd", "nhd"))
+        load = Workload(specs, tokens, (p.page, p.page), requests, concurrency, chunks,
+                        min_tokens=min_tokens, verify=bool(verify))  # fmt: skip
+        large = Workload(specs, large_tokens, (p.page, p.page), 3, 1, chunks, verify=False)
+        for driver in drivers.split(","):
+            one = _case(driver, large, pair, "quiet", shape, "one large", 0)
+            rows.append(one)
+            for machine in ("quiet", "busy"):
+                what = f"{min_tokens}-{tokens} tokens"
+                row = _case(driver, load, pair, machine, shape, what, hogs)
+                if row["done"] and one["done"]:
+                    row["vs_large"] = row["gbps"] / one["gbps"]
+                rows.append(row)
     return rows
 
 
@@ -102,6 +110,7 @@ def _staged(r: dict[str, Any]) -> str:
 
 COLUMNS = [
     Column("driver", "driver", width=9, left=True),
+    Column("model", "model", width=12, left=True),
     Column("shape", "shape", width=16, left=True),
     Column("machine", "machine", width=7, left=True),
     Column("done", "done", width=6),
@@ -124,7 +133,7 @@ if __name__ == "__main__":
         run,
         COLUMNS,
         {
-            "preset": ("tiny", "model shape (xferkit bench's presets)"),
+            "shapes": ("tiny,llama70b:8,qwen3next:8", "PRESET[:LAYERS],... (xferkit bench's)"),
             "tp": ("2:4", "PREFILL:DECODE TP sizes"),
             "requests": (200, "requests per row"),
             "concurrency": (200, "requests in flight"),
@@ -134,5 +143,6 @@ if __name__ == "__main__":
             "large_tokens": (16384, "the one large request's length"),
             "hogs": (os.cpu_count() or 2, "CPU-spinning processes on busy rows"),
             "drivers": (",".join(DRIVERS), "comma-separated"),
+            "verify": (1, "check every byte of the load rows (0: none, as bench --no-verify)"),
         },
     )
