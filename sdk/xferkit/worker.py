@@ -177,7 +177,7 @@ class BatchWorker(Generic[B]):
                 assert self._together is not None
                 error = self._together(run)
                 if error is not None:
-                    error += f" (one engine call moved this batch and {len(run) - 1} queued behind)"
+                    error += f" (moved in one engine call with {len(run) - 1} other batch(es))"
         except Exception as exc:  # never let the worker die silently
             error = f"driver worker error: {type(exc).__name__}: {exc}"
         for batch in run:

@@ -73,7 +73,7 @@ def test_a_failed_run_fails_each_of_its_batches_saying_they_ran_together() -> No
     assert first.error == "peer refused"  # alone: the engine's text as it was
     for b in batches:
         assert b.poll() is Status.FAILED
-        assert b.error.startswith("peer refused (one engine call moved this batch and 2 ")
+        assert b.error == "peer refused (moved in one engine call with 2 other batch(es))"
     worker.stop()
     assert worker.join(WAIT_S)
 
