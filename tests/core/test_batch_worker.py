@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xferkit.driver import BatchWorker, Descriptors, QueuedBatch, Status
 
@@ -135,3 +137,43 @@ def test_without_together_each_batch_is_its_own_call() -> None:
     assert engine.calls == [[b"m99"], [b"m0"], [b"m1"], [b"m2"]]
     worker.stop()
     assert worker.join(WAIT_S)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=1, max_size=30),
+    st.integers(1, 6),
+    st.integers(1, 20),
+)
+def test_any_queue_runs_in_order_once_each_within_the_bounds(
+    batches: list[tuple[int, bool]], max_run: int, max_entries: int
+) -> None:
+    """Against the model: the batches not released run once each, in the order posted, in
+    runs of at most ``max_run`` batches and ``max_entries`` entries (a batch larger than
+    that alone); released ones end "aborted before it ran" without running."""
+    engine = _Engine()
+    worker = BatchWorker(
+        engine.one, "t", together=engine.many, max_run=max_run, max_entries=max_entries
+    )
+    posted = [_batch(n, i) for i, (n, _) in enumerate(batches)]
+    first = _batch(1, 99)
+    worker.post(first)
+    assert engine.entered.wait(WAIT_S)
+    for b, (_, released) in zip(posted, batches, strict=True):
+        if released:
+            b.release()
+        worker.post(b)
+    engine.go.set()
+    for b in posted:
+        b.block(WAIT_S)
+    worker.stop()
+    assert worker.join(WAIT_S)
+    kept = [f"m{i}".encode() for i, (_, released) in enumerate(batches) if not released]
+    assert [m for run in engine.calls[1:] for m in run] == kept
+    size = {f"m{i}".encode(): n for i, (n, _) in enumerate(batches)}
+    for run in engine.calls[1:]:
+        assert len(run) <= max_run
+        assert len(run) == 1 or sum(size[m] for m in run if m is not None) <= max_entries
+    for b, (_, released) in zip(posted, batches, strict=True):
+        assert b.poll() is (Status.FAILED if released else Status.DONE)
+        assert (b.error == "aborted before it ran") is released
