@@ -40,6 +40,8 @@ from .planner.plan import LAYER_SETS
 RoutePath = Literal["direct", "pack", "unpack", "both"]
 PATHS: tuple[RoutePath, ...] = get_args(RoutePath)
 Force = RoutePath | Literal["staged"] | None
+Side = Literal["send", "unpack"]
+"""Which copies of a round one side computes: the source's (pack, wire) or the destination's."""
 
 FORCE: dict[str, Force] = {"auto": None, "always": "staged"}
 """A Session's ``staging`` setting as ``stage``'s ``force`` ("never" stages nothing)."""
@@ -256,9 +258,11 @@ class Round:
         units = sum(p.u1 - p.u0 for p in self._parts)
         return f"Round({units} units, staging {self.src_bytes} + {self.dst_bytes} bytes)"
 
-    def expand(self, src_stage: int, dst_stage: int) -> RoundCopies:
+    def expand(self, src_stage: int, dst_stage: int, *, only: Side | None = None) -> RoundCopies:
         """Absolute copies with the source's staging at ``src_stage``, the destination's at
-        ``dst_stage`` (each ``src_bytes`` / ``dst_bytes`` long)."""
+        ``dst_stage`` (each ``src_bytes`` / ``dst_bytes`` long). ``only="send"``: the pack
+        and wire copies alone (what the source needs), ``only="unpack"``: the unpack copies
+        alone (the destination); the others come empty, not computed."""
         for name, at, size in (
             ("src", src_stage, self.src_bytes),
             ("dst", dst_stage, self.dst_bytes),
@@ -267,16 +271,14 @@ class Round:
                 raise PlanError(
                     f"{name}_stage must be an address with {size} bytes above it, not {at!r}"
                 )
-        pack, wire, unpack = [], [], []
-        for part in self._parts:
-            p, w, u = _expand_part(part, np.uint64(int(src_stage)), np.uint64(int(dst_stage)))
-            pack.append(p)
-            wire.append(w)
-            unpack.append(u)
+        if only not in (None, "send", "unpack"):
+            raise PlanError(f"only must be None, 'send' or 'unpack', not {only!r}")
+        src, dst = np.uint64(int(src_stage)), np.uint64(int(dst_stage))
+        parts = [_expand_part(part, src, dst, only) for part in self._parts]
         return RoundCopies(
-            Descriptors.concat([d for d in pack if len(d)]),
-            _join(Descriptors.concat(wire)),
-            Descriptors.concat([d for d in unpack if len(d)]),
+            Descriptors.concat([p.pack for p in parts if len(p.pack)]),
+            _join(Descriptors.concat([p.wire for p in parts if len(p.wire)])),
+            Descriptors.concat([p.unpack for p in parts if len(p.unpack)]),
         )
 
 
@@ -355,18 +357,16 @@ def _greedy(parts: list[tuple[_RoutedGroup, PagePairs]], src_cap: int, dst_cap: 
     return rounds
 
 
-def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> RoundCopies:
+def _expand_part(
+    part: _Part, src_stage: np.uint64, dst_stage: np.uint64, only: Side | None
+) -> RoundCopies:
     s, g = part.staged, part.staged.group
+    send, unpack = only != "unpack", only != "send"
     src, dst = part.slots.offsets(g)
     n = np.uint64(src.size)
     units = np.arange(part.u0, part.u1, dtype=np.uint64)
     region, slot = np.divmod(units, n)
-    src_slot = g.src_base[region] + src[slot]
-    dst_slot = g.dst_base[region] + dst[slot]
     block = (units - np.uint64(part.u0)) * np.uint64(s.unit)
-    src_block = src_stage + np.uint64(part.src_at) + block
-    dst_block = dst_stage + np.uint64(part.dst_at) + block
-    unit = np.full(units.size, s.unit, dtype=np.uint64)
     none = Descriptors.empty()
     p = s.pieces
 
@@ -378,21 +378,34 @@ def _expand_part(part: _Part, src_stage: np.uint64, dst_stage: np.uint64) -> Rou
             np.repeat(p.nbytes[None, :], units.size, axis=0).ravel(),  # np.tile, in one C call
         )
 
+    def src_slot() -> np.ndarray:
+        return g.src_base[region] + src[slot]
+
+    def dst_slot() -> np.ndarray:
+        return g.dst_base[region] + dst[slot]
+
+    src_block = src_stage + np.uint64(part.src_at) + block
+    dst_block = dst_stage + np.uint64(part.dst_at) + block
+    unit = np.full(units.size, s.unit, dtype=np.uint64)
+    pack = wire = unpacked = none
     if s.path == "pack":
-        a, b, ln = scatter(src_slot, p.src, src_block)
-        return RoundCopies(
-            Descriptors(a, b, ln), Descriptors(src_block, dst_slot + p.dst[0], unit), none
-        )
-    if s.path == "unpack":
-        a, b, ln = scatter(dst_slot, p.dst, dst_block)
-        return RoundCopies(
-            none, Descriptors(src_slot + p.src[0], dst_block, unit), Descriptors(b, a, ln)
-        )
-    a, b, ln = scatter(src_slot, p.src, src_block)
-    c, d, _ = scatter(dst_slot, p.dst, dst_block)
-    return RoundCopies(
-        Descriptors(a, b, ln), Descriptors(src_block, dst_block, unit), Descriptors(d, c, ln)
-    )
+        if send:
+            a, b, ln = scatter(src_slot(), p.src, src_block)
+            pack, wire = Descriptors(a, b, ln), Descriptors(src_block, dst_slot() + p.dst[0], unit)
+    elif s.path == "unpack":
+        if send:
+            wire = Descriptors(src_slot() + p.src[0], dst_block, unit)
+        if unpack:
+            a, b, ln = scatter(dst_slot(), p.dst, dst_block)
+            unpacked = Descriptors(b, a, ln)
+    else:
+        if send:
+            a, b, ln = scatter(src_slot(), p.src, src_block)
+            pack, wire = Descriptors(a, b, ln), Descriptors(src_block, dst_block, unit)
+        if unpack:
+            c, d, ln = scatter(dst_slot(), p.dst, dst_block)
+            unpacked = Descriptors(d, c, ln)
+    return RoundCopies(pack, wire, unpacked)
 
 
 def _join(d: Descriptors) -> Descriptors:

@@ -261,3 +261,37 @@ def test_a_chunk_that_fits_its_staging_is_one_round_copying_what_the_greedy_cut_
                 for x, y in copies:
                     assert np.array_equal(x.src, y.src) and np.array_equal(x.dst, y.dst)
                     assert np.array_equal(x.nbytes, y.nbytes)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_each_side_computes_its_own_copies_as_the_whole_round_would(data: st.DataObject) -> None:
+    """``only="send"`` gives the whole round's pack and wire copies and no unpack ones;
+    ``only="unpack"`` its unpack copies alone (a Session's source and destination each
+    compute their own half)."""
+    layout = data.draw(layouts())
+    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
+    force = data.draw(FORCES)
+    capacity = _largest_slot(ref) * data.draw(st.integers(1, 4))
+    srcs = [r.manifest for r in ref.srcs]
+    for rank in ref.dsts:
+        wanted = for_rank(rank.manifest, request)
+        cov = coverage(srcs, rank.manifest)
+        for si in cov.sources:
+            staged = stage(cov.plans[si], descriptor_bytes=4096, force=force)
+            for r in staged.expand(wanted, src_capacity=capacity, dst_capacity=capacity).rounds:
+                whole = r.expand(1 << 30, 1 << 40)
+                send = r.expand(1 << 30, 1 << 40, only="send")
+                unpack = r.expand(1 << 30, 1 << 40, only="unpack")
+                assert send.pack == whole.pack and send.wire == whole.wire
+                assert unpack.unpack == whole.unpack
+                assert not len(send.unpack) and not len(unpack.pack) and not len(unpack.wire)
+
+
+def test_a_round_refuses_an_unknown_side() -> None:
+    ref = _ref("NHD", 4, 8)
+    p = stage(plan(ref.srcs[0].manifest, ref.dsts[0].manifest), descriptor_bytes=4096, force="both")
+    (r,) = p.expand(REQUEST, src_capacity=1 << 20, dst_capacity=1 << 20).rounds
+    with pytest.raises(PlanError, match="only must be None, 'send' or 'unpack', not 'wire'"):
+        r.expand(0, 0, only="wire")  # type: ignore[arg-type]

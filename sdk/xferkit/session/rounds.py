@@ -233,7 +233,7 @@ class Outbound:
             if got is None:
                 return
             h = got
-        copies = r.expand(self.src + (k % 2) * self.half, self.dst + h * self.dst_half)
+        copies = r.expand(self.src + (k % 2) * self.half, self.dst + h * self.dst_half, only="send")
         future = None
         if len(copies.pack):
             if self.run is None:
@@ -292,7 +292,7 @@ class Inbound:
         (a buggy or hostile peer): nothing is copied then."""
         if not 0 <= k < len(self.req.rounds) or h not in (0, 1) or k in self.done:
             return False
-        copies = self.req.rounds[k].expand(0, self.dst + h * self.half)
+        copies = self.req.rounds[k].expand(0, self.dst + h * self.half, only="unpack")
         if len(copies.unpack):
             self.copier.copy(copies.unpack.src, copies.unpack.dst, copies.unpack.nbytes)
         self.done.add(k)

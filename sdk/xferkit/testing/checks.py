@@ -211,10 +211,13 @@ def staged_handoff(
                 assert r.src_bytes <= capacity and r.dst_bytes <= capacity, r
                 src_stage[:] = rng.integers(0, 256, src_stage.size, dtype=np.uint8)
                 dst_stage[:] = rng.integers(0, 256, dst_stage.size, dtype=np.uint8)
-                copies = r.expand(src_stage.ctypes.data, dst_stage.ctypes.data)
+                # Each side computes its own copies, as a Session's do.
+                copies = r.expand(src_stage.ctypes.data, dst_stage.ctypes.data, only="send")
                 copy(copies.pack)
                 execute(copies.wire)
-                unpack = seen.expand(src_stage.ctypes.data, dst_stage.ctypes.data).unpack
+                unpack = seen.expand(
+                    src_stage.ctypes.data, dst_stage.ctypes.data, only="unpack"
+                ).unpack
                 copy(unpack)
                 landed = rank.manifest.locate(copies.wire.dst, copies.wire.nbytes) >= 0
                 counter.record(_select(copies.wire, landed))
