@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from .descriptors import Descriptors
+from .errors import ArgumentError
 from .posted import Posted, Status
 
 
@@ -119,6 +120,12 @@ class BatchWorker(Generic[B]):
         max_run: int = 32,
         max_entries: int = 1024,
     ) -> None:
+        for what, value in (("execute", execute), ("together", together)):
+            if not callable(value) and not (what == "together" and value is None):
+                raise ArgumentError(f"BatchWorker's {what} must be callable, not {value!r:.80}")
+        for what, bound in (("max_run", max_run), ("max_entries", max_entries)):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ArgumentError(f"BatchWorker's {what} must be an int >= 1, not {bound!r:.80}")
         self._execute, self._together = execute, together
         self._max_run, self._max_entries = max_run, max_entries
         self._queue: queue.SimpleQueue[B | None] = queue.SimpleQueue()

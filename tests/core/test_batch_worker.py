@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xferkit.driver import BatchWorker, Descriptors, QueuedBatch, Status
+from xferkit.driver import ArgumentError, BatchWorker, Descriptors, QueuedBatch, Status
 
 WAIT_S = 30.0
 
@@ -177,3 +178,25 @@ def test_any_queue_runs_in_order_once_each_within_the_bounds(
     for b, (_, released) in zip(posted, batches, strict=True):
         assert b.poll() is (Status.FAILED if released else Status.DONE)
         assert (b.error == "aborted before it ran") is released
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "culprit"),
+    [
+        ({"max_run": "3"}, "max_run"),
+        ({"max_run": 0}, "max_run"),
+        ({"max_entries": True}, "max_entries"),
+        ({"max_entries": 2.5}, "max_entries"),
+        ({"together": "fast"}, "together"),
+        ({"execute": None}, "execute"),
+    ],
+)
+def test_a_careless_driver_author_gets_an_argument_error_naming_the_bad_one(
+    kwargs: dict, culprit: str
+) -> None:
+    """Before, a wrong bound passed the constructor and killed the worker thread at the
+    first run, leaving every batch queued behind it pending."""
+    engine = _Engine()
+    args = {"execute": engine.one, "name": "t", "together": engine.many, **kwargs}
+    with pytest.raises(ArgumentError, match=f"BatchWorker's {culprit} must be"):
+        BatchWorker(**args)
