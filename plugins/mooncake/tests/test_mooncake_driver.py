@@ -28,7 +28,7 @@ from xferkit.testing.conformance import (
 )
 from xferkit.testing.reference import Reference
 from xferkit_mooncake import engine as mc_engine
-from xferkit_mooncake.lane import RUN, decode_messages, encode_messages
+from xferkit_mooncake.lane import MAX_RUN, RUN, decode_messages, encode_messages
 
 Pair = tuple[xk.Backend, xk.Backend, xk.Peer, np.ndarray, np.ndarray]
 
@@ -330,6 +330,14 @@ class _CountingCalls(EngineSpy):
     def batch_transfer_sync(self, *args: Any) -> int:
         self.calls += 1
         return int(self._engine.batch_transfer_sync(*args))
+
+
+def test_a_frame_holding_more_messages_than_a_run_comes_whole() -> None:
+    """A sender frames at most ``MAX_RUN`` messages; more is a peer amplifying its
+    notifications (four bytes each): one message, as it came, which the core drops."""
+    assert len(decode_messages(encode_messages([b""] * MAX_RUN))) == MAX_RUN
+    flood = encode_messages([b""] * (MAX_RUN + 1))
+    assert decode_messages(flood) == [flood.encode("latin-1")]
 
 
 def test_writes_queued_behind_one_another_run_together_each_notification_once_after_its_data(

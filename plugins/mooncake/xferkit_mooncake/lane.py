@@ -44,17 +44,20 @@ def encode_messages(messages: list[bytes]) -> str:
 
 def decode_messages(text: str) -> list[bytes]:
     """The inverse of ``encode_messages``; text from other senders falls back to UTF-8 and
-    comes whole, as does a frame whose lengths do not add up."""
+    comes whole, as does a frame whose lengths do not add up or that holds more messages
+    than a run carries (a hostile peer's 1 MB of empty messages would cost the receiver's
+    control thread a quarter of a million of them)."""
     try:
         data = text.encode("latin-1")
     except UnicodeEncodeError:
         return [text.encode("utf-8")]
     if not data.startswith(RUN):
         return [data]
-    messages, at = [], len(RUN)
+    messages: list[bytes] = []
+    at = len(RUN)
     while at < len(data):
         size = int.from_bytes(data[at : at + 4], "little")
-        if at + 4 + size > len(data):
+        if at + 4 + size > len(data) or len(messages) == MAX_RUN:
             return [data]
         messages.append(data[at + 4 : at + 4 + size])
         at += 4 + size
@@ -88,12 +91,15 @@ class Lane(BatchWorker[QueuedBatch]):
             lambda job: _execute(local, segment, [job]),
             name=f"xferkit-mooncake-{segment}",
             together=lambda run: _execute(local, segment, run),
+            max_run=MAX_RUN,
             max_entries=MAX_ENTRIES,
         )
 
 
 MAX_ENTRIES = 1024
 """Most entries one call carries: under the TCP transport's queue limit per peer."""
+MAX_RUN = 32
+"""Most batches, hence messages, one call carries."""
 
 
 def _execute(local: Local, segment: str, run: list[QueuedBatch]) -> str | None:
