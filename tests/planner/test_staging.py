@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xferkit import ArgumentError, PlanError, coverage, plan, staging
-from xferkit.staging import PATHS, Force, stage
+from xferkit.staging import PATHS, Force, StagedPlan, stage
 from xferkit.testing import (
     Reference,
     RegionSpec,
@@ -234,6 +234,23 @@ def test_a_costly_local_copy_prefers_one_copy_and_a_cheap_one_two() -> None:
     assert "2.4 per copied byte" in next(iter(dear.values())).why
 
 
+def _chunks(data: st.DataObject) -> tuple[Reference, list[tuple[StagedPlan, dict]]]:
+    """A drawn layout's reference and, for a drawn request, each (staged plan, chunk) pair:
+    one per destination rank and source it needs, the route forced or the cost model's."""
+    layout = data.draw(layouts())
+    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
+    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
+    force = data.draw(FORCES)
+    srcs = [r.manifest for r in ref.srcs]
+    chunks = []
+    for rank in ref.dsts:
+        wanted = for_rank(rank.manifest, request)
+        cov = coverage(srcs, rank.manifest)
+        for si in cov.sources:
+            chunks.append((stage(cov.plans[si], descriptor_bytes=4096, force=force), wanted))
+    return ref, chunks
+
+
 @SETTINGS
 @given(data=st.data())
 def test_a_chunk_that_fits_its_staging_is_one_round_copying_what_the_greedy_cut_does(
@@ -241,26 +258,18 @@ def test_a_chunk_that_fits_its_staging_is_one_round_copying_what_the_greedy_cut_
 ) -> None:
     """The one-round cut (in plain integers) against the greedy cut run on the same chunk:
     the same staging sizes and, placed at the same bases, the same copies."""
-    layout = data.draw(layouts())
-    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
-    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
-    force = data.draw(FORCES)
-    srcs = [r.manifest for r in ref.srcs]
-    for rank in ref.dsts:
-        wanted = for_rank(rank.manifest, request)
-        cov = coverage(srcs, rank.manifest)
-        for si in cov.sources:
-            staged = stage(cov.plans[si], descriptor_bytes=4096, force=force)
-            one = staged.expand(wanted, src_capacity=1 << 40, dst_capacity=1 << 40).rounds
-            with mock.patch.object(staging, "_rounds", staging._greedy):
-                cut = staged.expand(wanted, src_capacity=1 << 40, dst_capacity=1 << 40).rounds
-            assert len(one) == len(cut) <= 1
-            for a, b in zip(one, cut, strict=True):
-                assert (a.src_bytes, a.dst_bytes) == (b.src_bytes, b.dst_bytes)
-                copies = zip(a.expand(1 << 30, 1 << 40), b.expand(1 << 30, 1 << 40), strict=True)
-                for x, y in copies:
-                    assert np.array_equal(x.src, y.src) and np.array_equal(x.dst, y.dst)
-                    assert np.array_equal(x.nbytes, y.nbytes)
+    _, chunks = _chunks(data)
+    for staged, wanted in chunks:
+        one = staged.expand(wanted, src_capacity=1 << 40, dst_capacity=1 << 40).rounds
+        with mock.patch.object(staging, "_rounds", staging._greedy):
+            cut = staged.expand(wanted, src_capacity=1 << 40, dst_capacity=1 << 40).rounds
+        assert len(one) == len(cut) <= 1
+        for a, b in zip(one, cut, strict=True):
+            assert (a.src_bytes, a.dst_bytes) == (b.src_bytes, b.dst_bytes)
+            copies = zip(a.expand(1 << 30, 1 << 40), b.expand(1 << 30, 1 << 40), strict=True)
+            for x, y in copies:
+                assert np.array_equal(x.src, y.src) and np.array_equal(x.dst, y.dst)
+                assert np.array_equal(x.nbytes, y.nbytes)
 
 
 @SETTINGS
@@ -269,24 +278,16 @@ def test_each_side_computes_its_own_copies_as_the_whole_round_would(data: st.Dat
     """``only="send"`` gives the whole round's pack and wire copies and no unpack ones;
     ``only="unpack"`` its unpack copies alone (a Session's source and destination each
     compute their own half)."""
-    layout = data.draw(layouts())
-    ref = layout.reference(seed=data.draw(st.integers(0, 2**32 - 1)))
-    request = data.draw(slot_requests(layout.src_slots, layout.dst_slots))
-    force = data.draw(FORCES)
+    ref, chunks = _chunks(data)
     capacity = _largest_slot(ref) * data.draw(st.integers(1, 4))
-    srcs = [r.manifest for r in ref.srcs]
-    for rank in ref.dsts:
-        wanted = for_rank(rank.manifest, request)
-        cov = coverage(srcs, rank.manifest)
-        for si in cov.sources:
-            staged = stage(cov.plans[si], descriptor_bytes=4096, force=force)
-            for r in staged.expand(wanted, src_capacity=capacity, dst_capacity=capacity).rounds:
-                whole = r.expand(1 << 30, 1 << 40)
-                send = r.expand(1 << 30, 1 << 40, only="send")
-                unpack = r.expand(1 << 30, 1 << 40, only="unpack")
-                assert send.pack == whole.pack and send.wire == whole.wire
-                assert unpack.unpack == whole.unpack
-                assert not len(send.unpack) and not len(unpack.pack) and not len(unpack.wire)
+    for staged, wanted in chunks:
+        for r in staged.expand(wanted, src_capacity=capacity, dst_capacity=capacity).rounds:
+            whole = r.expand(1 << 30, 1 << 40)
+            send = r.expand(1 << 30, 1 << 40, only="send")
+            unpack = r.expand(1 << 30, 1 << 40, only="unpack")
+            assert send.pack == whole.pack and send.wire == whole.wire
+            assert unpack.unpack == whole.unpack
+            assert not len(send.unpack) and not len(unpack.pack) and not len(unpack.wire)
 
 
 def test_a_round_refuses_an_unknown_side() -> None:
