@@ -271,7 +271,7 @@ class Round:
                 raise PlanError(
                     f"{name}_stage must be an address with {size} bytes above it, not {at!r}"
                 )
-        if only not in (None, "send", "unpack"):
+        if only is not None and (not isinstance(only, str) or only not in ("send", "unpack")):
             raise PlanError(f"only must be None, 'send' or 'unpack', not {only!r}")
         src, dst = np.uint64(int(src_stage)), np.uint64(int(dst_stage))
         parts = [_expand_part(part, src, dst, only) for part in self._parts]
