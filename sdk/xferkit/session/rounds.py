@@ -165,6 +165,11 @@ class Halves:
         self.turn ^= 1
         return h
 
+    @property
+    def free(self) -> bool:
+        """Whether ``take`` would give a half now."""
+        return self.busy[self.turn] is None
+
     def release(self, owner: object) -> None:
         for h in (0, 1):
             if self.busy[h] == owner:
@@ -219,6 +224,16 @@ class Outbound:
     def finished(self) -> bool:
         """Every round written and, where the destination stages, unpacked."""
         return self.complete == self.rounds and not self.unpacking
+
+    @property
+    def blocked(self) -> bool:
+        """Nothing packing, and the next round cannot start until an event frees a half (its
+        source half still on the wire, or the decode rank's next half taken): ``ready`` would
+        do nothing. Cheap, so that a pump passes over the chunks queued behind others."""
+        k = self.next
+        if self.packing is not None or k >= self.rounds:
+            return False
+        return (k - 2) in self.sent or bool(self.req.rounds[k].dst_bytes and not self.halves.free)
 
     def _start(self) -> None:
         """Claim the next round's halves and pack it, once its source half is free and, where

@@ -121,27 +121,39 @@ class Stager:
 
     def pump(self, rec: SendRec, dst: Dst) -> None:
         """Post every round whose halves are free, oldest chunk first (they share the decode
-        rank's halves); give back the slices of chunks whose writes all completed."""
+        rank's halves); give back the slices of chunks whose writes all completed, and let
+        go of chunks with nothing left to happen: every event pumps, so walking the chunks
+        already done made a request of many chunks (layer-wise, long chunked prefills)
+        quadratic on the control thread."""
         for chunk in list(dst.staged.values()):
-            while rec.error is None and not (chunk.need and not chunk.slice):
-                began = self.s.clock()
+            out = chunk.out
+            while (
+                rec.error is None
+                and out.next < out.rounds
+                and (chunk.slice or not chunk.need)
+                and not out.blocked
+            ):
+                began, was, packing = self.s.clock(), out.next, out.packing
                 try:
-                    ready = chunk.out.ready()  # expands the next round's copies
+                    ready = out.ready()  # expands the next round's copies
                 except Exception as exc:  # the copier failed: nothing of the round was sent
                     self._fail(rec, "transfer", f"packing a staged round: {exc}")
                     return
-                rec.timeline.add("plan", began, self.s.clock())
-                for span in chunk.out.packed:
+                if out.next != was or out.packing is not packing:  # planned, not a pack awaited
+                    rec.timeline.add("plan", began, self.s.clock())
+                for span in out.packed:
                     rec.timeline.add("pack", *span)
-                chunk.out.packed.clear()
+                out.packed.clear()
                 if ready is None:
                     break
                 k, h, wire_copies = ready
                 layers = None if chunk.layers is None else sorted(chunk.layers)
                 r = wire.Round(chunk=chunk.index, index=k, at=chunk.at, half=h, layers=layers)
                 self._post(rec, dst, wire_copies, r)
-            if chunk.out.complete == chunk.out.rounds and chunk.slice:
+            if out.complete == out.rounds and chunk.slice:
                 self._give(chunk)  # every round left it: another chunk may pack
+            if out.finished and not chunk.slice:
+                dst.staged.pop(chunk.index, None)  # written, unpacked, its staging given back
 
     def written(self, rec: SendRec, dst: Dst, r: wire.Round) -> None:
         chunk = dst.staged.get(r.chunk)
