@@ -208,6 +208,8 @@ class Outbound:
     ) -> None:
         self.req, self.src, self.dst, self.half, self.dst_half = req, src, dst, half, dst_half
         self.halves, self.copier, self.run = halves, copier, run
+        self.rounds = len(req.rounds)
+        self._lands = [bool(r.dst_bytes) for r in req.rounds]  # round k needs a decode half
         self.next = 0  # the next round to post
         self.sent: set[int] = set()  # posted, write not yet complete (its source half in use)
         self.unpacking: set[int] = set()  # landed, not yet unpacked (its destination half)
@@ -215,10 +217,6 @@ class Outbound:
         # The round being packed: (index, destination half, wire copies, the pack's future).
         self.packing: tuple[int, int, Descriptors, Pending | None] | None = None
         self.packed: list[tuple[float, float]] = []  # (began, ended) of each pack since read
-
-    @property
-    def rounds(self) -> int:
-        return len(self.req.rounds)
 
     @property
     def finished(self) -> bool:
@@ -229,11 +227,17 @@ class Outbound:
     def blocked(self) -> bool:
         """Nothing packing, and the next round cannot start until an event frees a half (its
         source half still on the wire, or the decode rank's next half taken): ``ready`` would
-        do nothing. Cheap, so that a pump passes over the chunks queued behind others."""
+        do nothing."""
         k = self.next
         if self.packing is not None or k >= self.rounds:
             return False
-        return (k - 2) in self.sent or bool(self.req.rounds[k].dst_bytes and not self.halves.free)
+        return (k - 2) in self.sent or (self._lands[k] and not self.halves.free)
+
+    @property
+    def needs_half(self) -> bool:
+        """Nothing packing, and the next round lands in the decode rank's staging: it cannot
+        start while the half whose turn it is is taken."""
+        return self.packing is None and self.next < self.rounds and self._lands[self.next]
 
     def _start(self) -> None:
         """Claim the next round's halves and pack it, once its source half is free and, where

@@ -124,9 +124,13 @@ class Stager:
         rank's halves); give back the slices of chunks whose writes all completed, and let
         go of chunks with nothing left to happen: every event pumps, so walking the chunks
         already done made a request of many chunks (layer-wise, long chunked prefills)
-        quadratic on the control thread."""
+        quadratic on the control thread. Once the decode rank's next half is taken, the
+        chunks queued behind it for one are passed over at the cost of a check."""
+        taken = False  # halves are only taken here (given back by Unpacked): it stays so
         for chunk in list(dst.staged.values()):
             out = chunk.out
+            if taken and out.needs_half:
+                continue
             while (
                 rec.error is None
                 and out.next < out.rounds
@@ -154,6 +158,7 @@ class Stager:
                 self._give(chunk)  # every round left it: another chunk may pack
             if out.finished and not chunk.slice:
                 dst.staged.pop(chunk.index, None)  # written, unpacked, its staging given back
+            taken = taken or (out.needs_half and not dst.halves.free)
 
     def written(self, rec: SendRec, dst: Dst, r: wire.Round) -> None:
         chunk = dst.staged.get(r.chunk)
