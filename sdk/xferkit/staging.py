@@ -275,9 +275,10 @@ class Round:
             raise PlanError(f"only must be None, 'send' or 'unpack', not {only!r}")
         src, dst = np.uint64(int(src_stage)), np.uint64(int(dst_stage))
         parts = [_expand_part(part, src, dst, only) for part in self._parts]
+        wire = Descriptors.concat([p.wire for p in parts if len(p.wire)])
         return RoundCopies(
             Descriptors.concat([p.pack for p in parts if len(p.pack)]),
-            _join(Descriptors.concat([p.wire for p in parts if len(p.wire)])),
+            _join(wire) if len(wire) > 1 else wire,
             Descriptors.concat([p.unpack for p in parts if len(p.unpack)]),
         )
 
@@ -401,7 +402,10 @@ def _expand_part(
     else:
         if send:
             a, b, ln = scatter(src_slot(), p.src, src_block)
-            pack, wire = Descriptors(a, b, ln), Descriptors(src_block, dst_block, unit)
+            # Consecutive blocks on both sides: the part's wire copies join into one.
+            size = np.uint64(units.size * s.unit)
+            wire = Descriptors(src_block[:1], dst_block[:1], np.full(1, size, dtype=np.uint64))
+            pack = Descriptors(a, b, ln)
         if unpack:
             c, d, ln = scatter(dst_slot(), p.dst, dst_block)
             unpacked = Descriptors(d, c, ln)
