@@ -31,6 +31,12 @@ FOUND = [
     (1124, Config(decode_pp=2), "a request resolved from a cached roster that named the hostile "
      "prefill: the checker did not count it as asked (its Bye failed the request, rightly)"),
     (2262, Config(decode_pp=2), "the same"),
+    (5794, Config(prefill_tp=1, decode_tp=2, requests=8, staging="always"), "a prefill paused "
+     "past dead_after_s failed its requests one by one as it resumed: the first one's staging, "
+     "given back, woke a later one's waiting chunk, which posted its rounds to the lost decode "
+     "rank before its own turn to fail; they landed in staging the decode rank had taken back"),
+    (1297, Config(prefill_tp=1, decode_tp=2, requests=8, staging="always"), "the same"),
+    (5574, Config(prefill_tp=1, decode_tp=2, requests=8, staging="always"), "the same"),
 ]  # fmt: skip
 BUDGET = 1500
 """Schedules each mutation may take to be found (the docs' table has the counts)."""

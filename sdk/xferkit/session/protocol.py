@@ -66,8 +66,7 @@ class Protocol:
                 f"{self.s.dead_after_s}): its decode ranks may have declared it lost"
             )
             log.warning("%s: %s", self.s.address, why)
-            for down in list(self.pairs.downs.values()):
-                self._lose_down(down, why)
+            self._lose_downs([(down, why) for down in self.pairs.downs.values()])
 
     def expect(
         self, handle: object, rid: str, spec: tuple[str, ...], slots: dict[str, np.ndarray],
@@ -340,8 +339,7 @@ class Protocol:
         lost_ups, lost_downs = self.pairs.tick(now)
         for up, why, stage in lost_ups:
             self._lose_up(up, why, stage, now)
-        for down, why in lost_downs:
-            self._lose_down(down, why)
+        self._lose_downs(lost_downs)
         for group, why in self.roster.tick(now):
             self.sources.fail_group(group.address, why, now)
         self.incoming.tick(now)
@@ -380,6 +378,16 @@ class Protocol:
         """Close a lost pair's connection once no failing request waits for its answer."""
         if not any(up.address in r.acks for r in self.incoming.recvs.values()):
             self.pairs.close(up, LINGER_MS)
+
+    def _lose_downs(self, lost: list[tuple[Down, str]]) -> None:
+        """Lose several decode ranks at once: each is marked lost before any request fails, as
+        one request's staging given back wakes another's waiting chunk, which would post its
+        rounds to a rank whose turn had not come yet (a paused prefill, resumed: they landed in
+        staging its decode rank had taken back)."""
+        for down, _ in lost:
+            down.lost = True
+        for down, why in lost:
+            self._lose_down(down, why)
 
     def _lose_down(self, down: Down, why: str, bye: bool = False) -> None:
         """A decode rank is gone: fail its requests; disconnect once our writes to it ended."""

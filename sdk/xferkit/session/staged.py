@@ -126,6 +126,9 @@ class Stager:
         already done made a request of many chunks (layer-wise, long chunked prefills)
         quadratic on the control thread. Once the decode rank's next half is taken, the
         chunks queued behind it for one are passed over at the cost of a check."""
+        if dst.down.lost:  # nothing more to a lost rank: this request is about to fail too
+            return  # (losing a paused rank fails its requests in turn; one's staging given
+            # back wakes another's waiting chunk here, before that one's turn came)
         taken = False  # halves are only taken here (given back by Unpacked): it stays so
         for chunk in list(dst.staged.values()):
             out = chunk.out
