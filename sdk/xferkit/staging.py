@@ -275,10 +275,9 @@ class Round:
             raise PlanError(f"only must be None, 'send' or 'unpack', not {only!r}")
         src, dst = np.uint64(int(src_stage)), np.uint64(int(dst_stage))
         parts = [_expand_part(part, src, dst, only) for part in self._parts]
-        wire = Descriptors.concat([p.wire for p in parts if len(p.wire)])
         return RoundCopies(
             Descriptors.concat([p.pack for p in parts if len(p.pack)]),
-            _join(wire) if len(wire) > 1 else wire,
+            _join(Descriptors.concat([p.wire for p in parts if len(p.wire)])),
             Descriptors.concat([p.unpack for p in parts if len(p.unpack)]),
         )
 
@@ -385,17 +384,20 @@ def _expand_part(
     def dst_slot() -> np.ndarray:
         return g.dst_base[region] + dst[slot]
 
+    def unit() -> np.ndarray:
+        return np.full(units.size, s.unit, dtype=np.uint64)
+
     src_block = src_stage + np.uint64(part.src_at) + block
     dst_block = dst_stage + np.uint64(part.dst_at) + block
-    unit = np.full(units.size, s.unit, dtype=np.uint64)
     pack = wire = unpacked = none
     if s.path == "pack":
         if send:
             a, b, ln = scatter(src_slot(), p.src, src_block)
-            pack, wire = Descriptors(a, b, ln), Descriptors(src_block, dst_slot() + p.dst[0], unit)
+            pack = Descriptors(a, b, ln)
+            wire = Descriptors(src_block, dst_slot() + p.dst[0], unit())
     elif s.path == "unpack":
         if send:
-            wire = Descriptors(src_slot() + p.src[0], dst_block, unit)
+            wire = Descriptors(src_slot() + p.src[0], dst_block, unit())
         if unpack:
             a, b, ln = scatter(dst_slot(), p.dst, dst_block)
             unpacked = Descriptors(b, a, ln)
