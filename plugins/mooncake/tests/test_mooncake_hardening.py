@@ -7,7 +7,6 @@ must not break (a gap stays unregistered; a refusal still names its region).
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -86,11 +85,10 @@ def frozen() -> Iterator[tuple[xk.Backend, xk.Peer, xk.Descriptors, PeerProcess]
             .expand({"raw": (every, every[::-1])})
         )
         src.write(peer, descs).wait(WAIT_S)  # the connection is up before the peer freezes
-        os.kill(proc.pid, signal.SIGSTOP)
         try:
-            yield src, peer, descs, proc
+            with proc.frozen():
+                yield src, peer, descs, proc
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
             src.close()
 
 

@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -386,8 +385,7 @@ def test_a_pending_request_released_by_abort_reports_failed() -> None:
         a.register(_manifest({"buf": src}))
         peer = a.connect(endpoint, dm)
         whole = _descs([(src.ctypes.data, dm.regions[0].addr, src.nbytes)])
-        os.kill(proc.pid, signal.SIGSTOP)
-        try:
+        with proc.frozen():
             t = a.write(peer, whole, b"never")
             time.sleep(0.5)
             assert t.poll() is xk.Status.PENDING
@@ -396,8 +394,6 @@ def test_a_pending_request_released_by_abort_reports_failed() -> None:
             (posted,) = driver.posted
             # Released while pending: FAILED, answered without calling into the freed handle.
             assert posted.poll() is Status.FAILED and "released" in posted.error
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
         a.write(peer, whole).wait(10)  # the connection still works
 
 

@@ -153,8 +153,10 @@ def test_a_fence_cuts_this_backends_own_writes_and_keeps_its_peers() -> None:
     """A write of ours still running in the old agent ends FAILED, saying why, without a call
     into the destroyed agent; the agent is gone; the same Peer then works (its metadata is
     loaded into the new agent)."""
-    specs = [RegionSpec(pool="p", name="buf", layer=0, shape=(1 << 22,), itemsize=1)]
-    src = np.full(1 << 22, 5, np.uint8)
+    # Larger than loopback TCP's socket buffers can hold (tcp_wmem 4 MiB + tcp_rmem 32 MiB
+    # here): a 4 MiB write to the frozen process once fit in them and ended DONE (CI, stop 40).
+    specs = [RegionSpec(pool="p", name="buf", layer=0, shape=(1 << 26,), itemsize=1)]
+    src = np.full(1 << 26, 5, np.uint8)
     with PeerProcess() as proc, xk.open_backend("nixl") as b:
         endpoint, dm = proc.receiver("nixl", specs, 1)
         b.register(_manifest(src, "s"))
@@ -163,19 +165,16 @@ def test_a_fence_cuts_this_backends_own_writes_and_keeps_its_peers() -> None:
         b.write(peer, whole).wait(10)  # the connection is up
         old = weakref.ref(b.driver._agent.agent)  # type: ignore[attr-defined]
         before = b.endpoint()
-        os.kill(proc.pid, signal.SIGSTOP)
-        try:
+        with proc.frozen():
             t = b.write(peer, whole)
             time.sleep(0.3)
-            assert t.poll() is Status.PENDING  # 4 MiB to a frozen process: stuck in UCX
+            assert t.poll() is Status.PENDING  # 64 MiB to a frozen process: stuck in UCX
             b.fence("nixl:a-lost-source")
             assert old() is None, "the old agent outlived the fence"
             assert t.poll() is Status.FAILED
             assert "destroyed to fence a-lost-source" in str(t.error)
             assert t.poll() is Status.FAILED  # asked again: answered, no call into the agent
             assert b.endpoint() != before
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
         b.write(peer, whole).wait(10)  # the same Peer, through the new agent
 
 

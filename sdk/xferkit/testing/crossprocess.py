@@ -9,8 +9,6 @@ obligation it checks (``python -m xferkit.testing.conformance --table``).
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -237,8 +235,7 @@ class CrossProcessConformance(KitBase):
             src.write(peer, descs).wait(self.wait_s)  # the connection is up
             filled = proc.ask(Fill(SENTINEL))  # so that the next write's bytes show
             assert filled.ok, filled.error
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
+            with proc.frozen():
                 started = time.monotonic()
                 t = src.write(peer, descs, notify=note(src), timeout=self.deadline_s)
                 deadline = started + self.deadline_s + self.drain_s
@@ -252,8 +249,6 @@ class CrossProcessConformance(KitBase):
                 final = src.capabilities.ends_are_final
                 if not final:
                     post_end(src, peer)  # queued behind the write's bytes
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
             if final:
                 assert proc.ask(Drain()).ok  # it runs again
             else:  # it runs again, and what it held buffered lands before the notification

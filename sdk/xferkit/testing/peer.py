@@ -7,9 +7,13 @@ its own shard, without any bytes crossing the control pipe.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -160,6 +164,22 @@ class PeerProcess(Closing):
             raise RuntimeError(f"peer process {self.pid} exited (code {self._proc.wait()})")
         return self._decoder.decode(line)
 
+    @contextmanager
+    def frozen(self, timeout: float = 10.0) -> Iterator[None]:
+        """Stopped (SIGSTOP) for the block, as a hung host would be: entered once the kernel
+        shows it stopped, since a signal lands asynchronously and a write issued right after
+        ``kill`` could still be served; resumed (SIGCONT) on the way out."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + timeout
+            while _state(self.pid) not in "Tt":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"peer process {self.pid} not stopped after {timeout} s")
+                time.sleep(0.002)
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
     def receiver(
         self, backend: str, specs: list[RegionSpec], slots: int, options: dict | None = None
     ) -> tuple[bytes, Manifest]:
@@ -189,6 +209,12 @@ class PeerProcess(Closing):
     def kill(self) -> None:
         self._proc.kill()
         self._proc.wait()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 if __name__ == "__main__":
