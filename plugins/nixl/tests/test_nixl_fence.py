@@ -153,8 +153,8 @@ def test_a_fence_cuts_this_backends_own_writes_and_keeps_its_peers() -> None:
     """A write of ours still running in the old agent ends FAILED, saying why, without a call
     into the destroyed agent; the agent is gone; the same Peer then works (its metadata is
     loaded into the new agent)."""
-    # Larger than loopback TCP's socket buffers can hold (tcp_wmem 4 MiB + tcp_rmem 32 MiB
-    # here): a 4 MiB write to the frozen process once fit in them and ended DONE (CI, stop 40).
+    # More than loopback TCP's socket buffers hold (tcp_wmem 4 MiB + tcp_rmem 32 MiB here):
+    # a 4 MiB write to the frozen process could fit in them whole and end DONE.
     specs = [RegionSpec(pool="p", name="buf", layer=0, shape=(1 << 26,), itemsize=1)]
     src = np.full(1 << 26, 5, np.uint8)
     with PeerProcess() as proc, xk.open_backend("nixl") as b:

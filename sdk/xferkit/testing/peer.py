@@ -172,7 +172,7 @@ class PeerProcess(Closing):
         os.kill(self.pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + timeout
-            while _state(self.pid) not in "Tt":
+            while state(self.pid) not in "Tt":
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"peer process {self.pid} not stopped after {timeout} s")
                 time.sleep(0.002)
@@ -211,8 +211,8 @@ class PeerProcess(Closing):
         self._proc.wait()
 
 
-def _state(pid: int) -> str:
-    """The process's state letter in /proc (``T``: stopped)."""
+def state(pid: int) -> str:
+    """Process ``pid``'s state letter in /proc (``T``: stopped, ``S``/``R``: running)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...closing import Closing
+from ..peer import state
 from .ip import HostError
 
 
@@ -71,8 +72,7 @@ class Process(Closing):
     def state(self) -> str:
         """The process's state letter in /proc (``T``: stopped, ``S``/``R``: running)."""
         try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
+            return state(self.pid)
         except OSError as exc:
             raise HostError(f"{self.host}: process {self.pid}: {exc}", subject=self.pid) from exc
 
