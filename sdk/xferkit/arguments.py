@@ -26,4 +26,8 @@ def seconds(value: object, what: str) -> float:
         raise ArgumentError(f"{what} must be a number of seconds >= 0, not {value!r}")
     if not value >= 0:
         raise XferError(f"{what} must be a number of seconds >= 0, not {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range
+        why = f"{what} must be a number of seconds a float holds, not {value!r:.40}..."
+        raise ArgumentError(why) from None

@@ -119,6 +119,8 @@ class Session(Closing):
         check_reach(backend, bind)  # before anything is registered or bound
         if group is not None and (not isinstance(group, str) or not group):
             raise XferError(f"group is the session address of the rank serving it, not {group!r}")
+        if group is not None and (problem := check(group.removeprefix(GROUP), keys)) is not None:
+            raise XferError(f"Session cannot join group {group!r}: {problem}")
         for name, value in (("pp_size", pp_size), ("pp_rank", pp_rank)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise XferError(f"{name} must be a non-negative int, not {value!r}")
@@ -139,7 +141,7 @@ class Session(Closing):
             raise XferError(
                 f"reconnect_max_s ({reconnect_max_s}) is below reconnect_min_s ({reconnect_min_s})"
             )
-        if staging not in ("auto", "always", "never"):
+        if not isinstance(staging, str) or staging not in ("auto", "always", "never"):
             raise XferError(f"staging must be 'auto', 'always' or 'never', not {staging!r}")
         for name, value in (
             ("staging_bytes", staging_bytes),
@@ -160,15 +162,14 @@ class Session(Closing):
             manifest, staging_bytes if staging != "never" else 0, self._copier.device
         )
         registered = self._staging.manifest
-        if backend.manifest is None:
-            backend.register(registered)
-        elif backend.manifest == manifest:  # registered by the engine: no room for staging
+        fresh = backend.manifest is None  # registered once bound: a refused bind leaves it so
+        if not fresh and backend.manifest != manifest:
+            raise XferError("the backend has another manifest registered than the one given")
+        if not fresh:  # registered by the engine: no room for staging
             if staging != "never":
                 log.warning("%s: the backend was registered already: staging is off", bind)
             staging, registered = "never", manifest
             self._staging = Staging(manifest, 0)
-        else:
-            raise XferError("the backend has another manifest registered than the one given")
         self.staging = staging
         self.backend = backend
         self.manifest = registered
@@ -178,9 +179,12 @@ class Session(Closing):
         # the engine's hook itself: a bound method of this Session would keep it alive
         shell = self._shell = Shell(backend, bind, keys, reconnect, self._copier, on_pair)
         where = shell.where
-        if group is not None and (problem := check(group.removeprefix(GROUP), keys)) is not None:
-            shell.teardown()
-            raise XferError(f"Session cannot join group {group!r}: {problem}")
+        if fresh:
+            try:
+                backend.register(registered)
+            except BaseException:
+                shell.teardown()
+                raise
         self.address: str = where if keys is None else f"{where}|{keys.public.decode()}"
         """The string a peer passes to ``expect(source=...)``."""
         caps = backend.capabilities
@@ -304,16 +308,12 @@ class Session(Closing):
 
     def close(self, timeout: float = 10.0) -> None:
         """Fail every open request on both sides, tell the peers, release sockets and backend."""
+        limit = seconds(timeout, "timeout")  # refused before anything stops: nothing leaks
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        _stop(
-            self._shell,
-            self.backend,
-            f"session {self.address} was closed",
-            seconds(timeout, "timeout"),
-        )
+        _stop(self._shell, self.backend, f"session {self.address} was closed", limit)
 
     def _finished(self, handle: Receive | Send) -> None:
         """A request ended: the engine's hook (``on_finished``) sees its handle, on the control

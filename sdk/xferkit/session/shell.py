@@ -124,7 +124,7 @@ class Shell:
         return True
 
     def teardown(self) -> None:
-        """Release every socket and the context (the control thread has ended)."""
+        """Release every socket, the context and the workers (the control thread has ended)."""
         for sock in list(self._socks.values()) + list(self._monitors):
             with contextlib.suppress(Exception):
                 sock.close(linger=0)
@@ -141,6 +141,7 @@ class Shell:
         for s in (self._wake_r, self._wake_w):
             s.close()
         self.packer.stop()
+        self.data.stop(1.0)  # a refused Session's (a closed one's has stopped already)
 
     # -- the control thread ------------------------------------------------------------
 
@@ -365,8 +366,8 @@ class Shell:
             elif (sock := self._socks.get(conn)) is not None:
                 sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("%s: cannot send %s to %s: %s", self.where, type(msg).__name__,
-                        conn[1], exc)  # fmt: skip
+            kind = type(msg).__name__
+            log.warning("%s: cannot send %s to %s: %s", self.where, kind, conn[1], exc)
 
     def _open(self, conn: act.Conn) -> None:
         sock = sockets.dealer(self.ctx, conn[1], self.keys, self.reconnect)

@@ -1,0 +1,109 @@
+"""A careless caller's refused calls leave nothing behind: no thread, no descriptor, no
+registration, and the same call with good arguments then works."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import xferkit as xk
+from xferkit.session import Session
+
+
+def _manifest() -> xk.Manifest:
+    return xk.Manifest.build(
+        [xk.Region.from_array(np.zeros((8, 16), np.uint8), pool="p", name="a", layer=0)]
+    )
+
+
+def _held() -> tuple[int, int]:
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def _settled(before: tuple[int, int]) -> tuple[int, int]:
+    """What this process holds once threads that are ending have ended (bounded)."""
+    deadline = time.monotonic() + 5
+    while _held() != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _held()
+
+
+@pytest.mark.parametrize(
+    "timeout", ["5", -1, 2**1024, np.array([1, 2]), None],
+    ids=["str", "negative", "huge int", "array", "None"],
+)  # fmt: skip
+def test_a_close_with_a_bad_timeout_is_refused_before_anything_stops(timeout: object) -> None:
+    """Before, close() marked the Session closed and then checked ``timeout``: the refusal
+    left its threads, sockets and backend running for good (a second close did nothing)."""
+    m = _manifest()
+    before = _held()
+    backend = xk.open_backend("loopback")
+    s = Session(backend, m)
+    with pytest.raises(xk.XferError, match="timeout"):
+        s.close(timeout=timeout)  # type: ignore[arg-type]
+    assert s.offer("still-open").poll() is not xk.State.FAILED  # nothing of it stopped
+    s.close()
+    with pytest.raises(xk.XferError, match="closed"):
+        backend.endpoint()  # the Session closed it
+    assert _settled(before) == before
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"bind": "tcp://nohost.invalid:0"},
+        {"bind": "tcp://:0"},
+        {"group": "tcp://127.0.0.1:5|abc"},
+        {"staging": np.array(["auto", "never"])},
+        {"heartbeat_s": 2**1024},
+    ],
+    ids=["unknown host", "no host", "group key not trusted", "staging an array", "huge int"],
+)
+def test_a_refused_session_leaves_the_backend_as_it_was(options: dict[str, object]) -> None:
+    """Before, a refused bind or group left the manifest registered (the next Session on that
+    backend was refused: "another manifest registered"), a group refusal left the data-plane
+    thread running, and the last two raised ValueError and OverflowError."""
+    m = _manifest()
+    before = _held()
+    backend = xk.open_backend("loopback")
+    try:
+        with pytest.raises(xk.XferError):
+            Session(backend, m, **options)  # type: ignore[arg-type]
+        assert backend.manifest is None
+        s = Session(backend, m)  # the same backend, good arguments
+        s.close()
+    finally:
+        backend.close()
+    assert _settled(before) == before
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: t.wait(2**1024),
+        lambda t: t.abort("test", timeout=2**1024),
+    ],
+    ids=["wait", "abort"],
+)
+def test_a_duration_past_a_floats_range_is_an_argument_error(call: Callable) -> None:
+    src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
+    with xk.open_backend("loopback") as a, xk.open_backend("loopback") as b:
+        a.register(xk.Manifest.build([xk.Region.from_array(src, pool="p", name="s", layer=0)]))
+        mb = xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="d", layer=0)])
+        b.register(mb)
+        peer = a.connect(b.endpoint(), mb)
+        one = xk.Descriptors(
+            *(np.array([x], np.uint64) for x in (src.ctypes.data, dst.ctypes.data, 64))
+        )
+        with pytest.raises(xk.ArgumentError, match="float"):
+            a.write(peer, one, timeout=2**1024)
+        t = a.write(peer, one)
+        with pytest.raises(xk.ArgumentError, match="float"):
+            call(t)
+        t.wait(10)
+        np.testing.assert_array_equal(dst, src)
