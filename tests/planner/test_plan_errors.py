@@ -205,6 +205,8 @@ GOOD_KV = (np.array([0, 1]), np.array([2, 3]))
         ({"kv": (np.array(0), np.array(2))}, ["'kv'", "1-D"]),
         ({"kv": np.array([0, 1, 2])}, ["'kv'", "src_slot_indices"]),
         ({"kv": 5}, ["'kv'"]),
+        ({"kv": ([[0], [1, 2]], [2, 3])}, ["'kv'", "source", "1-D integer"]),
+        ({"kv": ([0, 1], [[2], [3, 4]])}, ["'kv'", "destination", "1-D integer"]),
     ],
     ids=[
         "unknown-pool",
@@ -221,6 +223,8 @@ GOOD_KV = (np.array([0, 1]), np.array([2, 3]))
         "0-D",
         "not-a-pair",
         "not-iterable",
+        "ragged-source",
+        "ragged-destination",
     ],
 )
 def test_expand_rejects_bad_input_and_produces_nothing(two_pools, slots, words) -> None:

@@ -107,3 +107,16 @@ def test_a_duration_past_a_floats_range_is_an_argument_error(call: Callable) -> 
             call(t)
         t.wait(10)
         np.testing.assert_array_equal(dst, src)
+
+
+def test_sources_that_cannot_be_iterated_are_refused_naming_them() -> None:
+    """A 0-d array is ``Iterable`` and raises when iterated: before, ``expect`` and ``renew``
+    let that ``TypeError`` out."""
+    with Session(xk.open_backend("loopback"), _manifest()) as s:
+        for call in (
+            lambda: s.expect("r", np.array(1), {"p": [0]}),
+            lambda: s.renew("r", np.array(1)),
+        ):
+            with pytest.raises(xk.XferError, match="source="):
+                call()
+        s.expect("r", [s.address], {"p": [0]})  # the id was not taken by the refusals

@@ -169,7 +169,12 @@ def _paged_pairs(pool: str, src: np.ndarray, dst: np.ndarray, ks: int, kd: int) 
 
 def _indices(raw: object, pool: str, side: str, count: int | None) -> np.ndarray:
     """Validated slot indices; ``count`` is None when that side holds no region of the pool."""
-    arr = np.asarray(raw)
+    try:
+        arr = np.asarray(raw)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, objects that raise
+        raise PlanError(
+            f"pool {pool!r}: {side} slot indices must be a 1-D integer array: {exc}", subject=pool
+        ) from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise PlanError(
             f"pool {pool!r}: {side} slot indices must be a 1-D integer array, "

@@ -340,7 +340,10 @@ class Session(Closing):
         if isinstance(source, str) and source:  # the common case, checked first
             return (source,)
         raw = (source,) if isinstance(source, str) else source
-        sources = tuple(raw) if isinstance(raw, Iterable) else ()
+        try:  # a 0-d array is Iterable, and iterating it raises
+            sources = tuple(raw) if isinstance(raw, Iterable) else ()
+        except TypeError:
+            sources = ()
         if not sources or not all(isinstance(s, str) and s for s in sources):
             raise XferError(f"{call}(source=) takes session or group addresses, not {source!r}")
         if len(set(sources)) != len(sources):
