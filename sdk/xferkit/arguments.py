@@ -6,6 +6,7 @@ domain error (``BoundsError``, ``RegistrationError``...) stands in for it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import ArgumentError, XferError
@@ -31,3 +32,14 @@ def seconds(value: object, what: str) -> float:
     except OverflowError:  # an int past a float's range
         why = f"{what} must be a number of seconds a float holds, not {value!r:.40}..."
         raise ArgumentError(why) from None
+
+
+def items(value: object) -> tuple[Any, ...] | None:
+    """``value``'s items when it is an iterable that yields them, else None: a 0-d array is
+    ``Iterable``, and iterating it raises ``TypeError``."""
+    if not isinstance(value, Iterable):
+        return None
+    try:
+        return tuple(value)
+    except TypeError:
+        return None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import ArgumentError
 from .rawmemory import raw_array
 
 if TYPE_CHECKING:
@@ -33,6 +34,16 @@ class Descriptors:
     __slots__ = ("_seal", "dst", "nbytes", "src")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        for name, a in (("src", src), ("dst", dst), ("nbytes", nbytes)):
+            if not isinstance(a, np.ndarray) or a.dtype != np.uint64 or a.ndim != 1:
+                what = (
+                    f"{a.dtype} {a.ndim}-D array" if isinstance(a, np.ndarray) else type(a).__name__
+                )
+                raise ArgumentError(f"Descriptors {name} must be a 1-D uint64 array, not a {what}")
+        if not src.size == dst.size == nbytes.size:
+            raise ArgumentError(
+                f"Descriptors: {src.size} sources, {dst.size} destinations, {nbytes.size} lengths"
+            )
         self.src, self.dst, self.nbytes = src, dst, nbytes
         self._seal: tuple[Manifest, Manifest, tuple[np.ndarray, ...]] | None = None
 
@@ -111,6 +122,10 @@ class Descriptors:
 
     @classmethod
     def concat(cls, parts: Sequence[Descriptors]) -> Descriptors:
+        if not isinstance(parts, Sequence) or not all(isinstance(p, Descriptors) for p in parts):
+            raise ArgumentError(
+                f"Descriptors.concat takes a sequence of Descriptors, not {parts!r:.80}"
+            )
         if not parts:
             return cls.empty()
         if len(parts) == 1:

@@ -26,12 +26,13 @@ the earliest failure at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .arguments import items
 from .errors import ArgumentError
 from .session import State
 
@@ -54,13 +55,16 @@ class GroupState:
 def summarize(handles: Iterable[Any]) -> np.ndarray:
     """This rank's row per handle (``Receive`` or ``Send``): an int64 array ``[n, 4]``."""
     rows = []
-    if not isinstance(handles, Iterable):
-        raise ArgumentError(f"summarize() takes request handles, not {handles!r}")
-    for h in handles:
+    given = items(handles)
+    if given is None:
+        raise ArgumentError(f"summarize() takes request handles, not {handles!r:.80}")
+    for h in given:
         try:
             state, failing, times = h.poll(), h.failing, h.times
         except AttributeError:
-            raise ArgumentError(f"summarize() takes request handles, not {h!r}") from None
+            state = times = None
+        if not isinstance(state, State) or not isinstance(times, Mapping):
+            raise ArgumentError(f"summarize() takes request handles, not {h!r:.80}")
         terminal = state in (State.DONE, State.FAILED)
         progress = PROGRESS.index(State.DONE if state is State.FAILED else state)
         failed_at = NEVER

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from .addresses import AddressTable
-from .arguments import expect
+from .arguments import expect, items
 from .arrays import describe
 from .errors import ArgumentError, ManifestError
 from .sharding import AxisLayout, axis_layout
@@ -50,6 +50,8 @@ def parse_device(device: str) -> tuple[str, int]:
 
 def key_label(key: RegionKey) -> str:
     """A short human name for a region key, e.g. ``state/conv[3]#1``."""
+    if not isinstance(key, tuple) or len(key) != 4:
+        raise ArgumentError(f"a region key is (pool, name, layer, part), not {key!r:.80}")
     pool, name, layer, part = key
     return f"{pool}/{name}[{layer}]" + ("" if type(part) is int and part == 0 else f"#{part}")
 
@@ -114,9 +116,15 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     def axis_layout(self, tp_size: int) -> AxisLayout | None:
         """How the sharded axis splits over ``tp_size`` ranks; None when replicated."""
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ArgumentError(f"axis_layout takes a tp_size >= 1, not {tp_size!r:.40}")
         if self.tp_axis is None:
             return None
-        return axis_layout(self.slot_shape[self.tp_axis], tp_size, self.tp_groups, self.tp_global)
+        local = self.slot_shape[self.tp_axis]
+        try:
+            return axis_layout(local, tp_size, self.tp_groups, self.tp_global)
+        except ValueError as exc:
+            raise ManifestError(f"region {self.label}: {exc}", subject=self.key) from None
 
     @classmethod
     def from_array(
@@ -189,7 +197,11 @@ class Region(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
 def _int_tuple(value: Any, key: RegionKey, field: str) -> tuple[int, ...]:
     # Ordered only: a set's order changes with the hash seed, and these name positions.
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+    if (
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence | np.ndarray)
+        or np.ndim(value) != 1
+    ):
         raise ManifestError(
             f"region {key_label(key)}: {field} must be a sequence of ints, not {value!r}",
             subject=key,
@@ -310,11 +322,12 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
     @classmethod
     def build(cls, regions: Iterable[Region], *, tp_rank: int = 0, tp_size: int = 1) -> Manifest:
         """Drop empty regions (recording why), then validate everything else."""
-        if isinstance(regions, str | bytes | Region) or not isinstance(regions, Iterable):
+        given = None if isinstance(regions, str | bytes | Region) else items(regions)
+        if given is None:
             raise ArgumentError(f"Manifest.build takes an iterable of Regions, not {regions!r}")
         kept: list[Region] = []
         dropped: list[Dropped] = []
-        for region in regions:
+        for region in given:
             expect(region, Region, "Manifest.build")
             reason = _empty_reason(region)
             if reason is None:
@@ -369,6 +382,10 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
         """Position of ``key`` in every view."""
         try:
             return self._index[key]
+        except TypeError:  # unhashable
+            raise ArgumentError(
+                f"a region key is (pool, name, layer, part), not {key!r:.80}"
+            ) from None
         except KeyError:
             msg = f"no region {key_label(key)} in this manifest"
             raise ManifestError(msg, subject=key) from None
@@ -384,14 +401,26 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
         The one address lookup: the core's bounds checks, drivers that need a
         descriptor's region (its device, its slot) and the test checkers use it.
         """
-        return self.table.locate(addrs, nbytes)
+        with _addresses("locate"):
+            if np.ndim(addrs) != 1:
+                raise ArgumentError(f"locate takes a 1-D array of addresses, not {addrs!r:.80}")
+            return self.table.locate(addrs, nbytes)
 
     def first_outside(self, addrs: np.ndarray, nbytes: np.ndarray | None = None) -> int:
         """Index of the first range no region holds whole, or -1: the bounds check."""
-        return self.table.first_outside(addrs, nbytes)
+        with _addresses("first_outside"):
+            return self.table.first_outside(addrs, nbytes)
 
     def nearest(self, addr: int) -> Region | None:
         """The region starting at or below ``addr`` (else the lowest): for error messages."""
+        if (
+            isinstance(addr, bool)
+            or not isinstance(addr, int | np.integer)
+            or not 0 <= addr < 2**64
+        ):
+            raise ArgumentError(
+                f"nearest takes an address (an int in [0, 2**64)), not {addr!r:.80}"
+            )
         i = self.table.nearest(addr)
         return None if i < 0 else self.regions[i]
 
@@ -399,7 +428,10 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
         return self.regions[self.index(key)]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        try:
+            return key in self._index
+        except TypeError:  # unhashable: no region's key
+            return False
 
     def encode(self) -> bytes:
         """msgpack bytes a peer decodes with ``Manifest.decode``."""
@@ -412,6 +444,16 @@ class Manifest(msgspec.Struct, frozen=True, dict=True):
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
             raise ManifestError(f"malformed manifest: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _addresses(call: str) -> Iterator[None]:
+    """Addresses numpy cannot hold as uint64 (negative, past 2**64, not numbers) are the
+    caller's ``ArgumentError``, not numpy's own."""
+    try:
+        yield
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ArgumentError(f"{call}: addresses must be uint64 values: {exc}") from None
 
 
 def _frozen(values: list[int]) -> np.ndarray:
@@ -454,12 +496,24 @@ def _validate(m: Manifest) -> None:
                 f"every region of pool {r.pool!r} must index the same slots",
                 subject=r.key,
             )
+    if not isinstance(m.dropped, tuple) or not all(
+        isinstance(d, Dropped) and _is_key(d.key) for d in m.dropped
+    ):
+        raise ManifestError("a Manifest's dropped are a tuple of Dropped; use Manifest.build")
     for d in m.dropped:
         if d.key in seen:
             raise ManifestError(
                 f"region {key_label(d.key)} is both kept and dropped", subject=d.key
             )
     _check_overlaps(m)
+
+
+def _is_key(key: object) -> bool:
+    return (
+        isinstance(key, tuple)
+        and len(key) == 4
+        and all(isinstance(k, str | int) and not isinstance(k, bool) for k in key)
+    )
 
 
 def _validate_region(r: Region, tp_size: int) -> None:
@@ -493,10 +547,7 @@ def _validate_region(r: Region, tp_size: int) -> None:
         return
     if not 0 <= r.tp_axis < len(r.slot_shape):
         raise fail(f"tp_axis {r.tp_axis} is out of range for slot_shape {r.slot_shape}")
-    try:
-        r.axis_layout(tp_size)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
+    r.axis_layout(tp_size)  # a ManifestError naming the region where the axis cannot split
 
 
 def _check_overlaps(m: Manifest) -> None:

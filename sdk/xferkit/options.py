@@ -42,6 +42,9 @@ def parse(backend: str, options_type: type[DriverOptions], given: dict[str, Any]
         return msgspec.convert(given, options_type)
     except msgspec.ValidationError as exc:
         raise OptionError(f"backend {backend!r}: bad option: {exc}", subject=backend) from exc
+    except Exception as exc:  # values msgspec cannot read at all (numpy scalars and arrays)
+        why = f"{type(exc).__name__}: {exc}"
+        raise OptionError(f"backend {backend!r}: bad option: {why}", subject=backend) from exc
 
 
 def describe(options_type: type[msgspec.Struct]) -> list[OptionInfo]:

@@ -27,7 +27,7 @@ import pluggy
 from .arguments import expect
 from .backend import Backend
 from .driver import CONTRACT_VERSION, BackendSpec, Driver
-from .errors import OptionError, PluginError, XferError
+from .errors import ArgumentError, OptionError, PluginError, XferError
 from .options import DriverOptions, parse
 
 hookspec = pluggy.HookspecMarker("xferkit")
@@ -140,6 +140,8 @@ def backends(check: bool = False) -> list[BackendInfo]:
     With ``check``, also import each usable driver class and verify it (slower:
     it imports the drivers).
     """
+    if not isinstance(check, bool):
+        raise ArgumentError(f"backends(check=) takes a bool, not {check!r:.40}")
     out = []
     for f in _discover():
         reason = _problem(f)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .arguments import seconds
+from .arguments import expect, seconds
 from .descriptors import Descriptors
 from .driver import Posted, Status
 from .errors import TransferError, XferError
@@ -163,6 +163,7 @@ class Transfer:
         that must not block polls it).
         """
         limit = time.monotonic() + seconds(timeout, "timeout")
+        expect(wait, bool, "Transfer.abort(wait=)")
         with self._lock:
             if self._phase is Phase.SENDING:
                 self._fail(why)

@@ -42,19 +42,27 @@ def test_a_bounds_error_names_the_nearest_region() -> None:
         assert f"nearest is {region.label} [{region.addr:#x}, +{region.nbytes})" in text
 
 
-def test_malformed_descriptor_arrays_are_bounds_errors() -> None:
+def test_malformed_descriptor_arrays_are_refused() -> None:
+    """Made so, they are an ArgumentError at once (before: later, any call on them raised
+    numpy's or Python's own error); an array replaced afterwards is the backend's
+    BoundsError, and nothing is posted."""
     with mock_pair() as pair:
         good, _ = pair.descs(2, 64)
         bad = [
-            Descriptors(good.src.astype(np.int64), good.dst, good.nbytes),  # dtype
-            Descriptors(good.src, good.dst, good.nbytes.astype(np.uint32)),  # dtype
-            Descriptors(good.src.reshape(1, 2), good.dst.reshape(1, 2), good.nbytes.reshape(1, 2)),
-            Descriptors(good.src, good.dst[:1], good.nbytes),  # lengths differ
-            Descriptors(good.src.tolist(), good.dst.tolist(), good.nbytes.tolist()),  # type: ignore[arg-type]
+            (good.src.astype(np.int64), good.dst, good.nbytes),  # dtype
+            (good.src, good.dst, good.nbytes.astype(np.uint32)),  # dtype
+            (good.src.reshape(1, 2), good.dst.reshape(1, 2), good.nbytes.reshape(1, 2)),
+            (good.src, good.dst[:1], good.nbytes),  # lengths differ
+            (good.src.tolist(), good.dst.tolist(), good.nbytes.tolist()),
         ]
-        for d in bad:
+        for arrays in bad:
+            with pytest.raises(ArgumentError, match=r"uint64|1 destinations"):
+                Descriptors(*arrays)  # type: ignore[arg-type]
+        for field in ("src", "nbytes"):
+            swapped = Descriptors(good.src, good.dst, good.nbytes)
+            setattr(swapped, field, getattr(good, field).astype(np.int64))
             with pytest.raises(BoundsError, match="uint64"):
-                pair.a.write(pair.peer, d)
+                pair.a.write(pair.peer, swapped)
         with pytest.raises(ArgumentError, match="takes a Descriptors"):
             pair.a.write(pair.peer, (good.src, good.dst, good.nbytes))  # type: ignore[arg-type]
         assert posted(pair.a) == []

@@ -133,7 +133,6 @@ class Plan:
         (a frozenset of layer ids: a layer-wise chunk), only those layers' regions are.
         Every input is checked before anything is produced.
         """
-        expect(request, Mapping, "Plan.expand() (pool -> (src_slots, dst_slots))")
         return self.expand_groups(self.page_pairs(request), self.of_layers(layers))
 
     def of_layers(self, layers: Layers) -> tuple[RegionGroup, ...]:
@@ -151,10 +150,11 @@ class Plan:
 
     def layers(self, pool: str) -> frozenset[int]:
         """The layers of ``pool`` this source writes something into this destination."""
-        return self._pool_layers.get(pool, frozenset())
+        return self._pool_layers.get(expect(pool, str, "Plan.layers() (a pool name)"), frozenset())
 
     def page_pairs(self, request: Mapping[str, tuple[object, object]]) -> dict[str, PagePairs]:
         """Each pool of ``request`` checked and turned into page pairs, sorted by destination."""
+        expect(request, Mapping, "a request (pool -> (src_slots, dst_slots))")
         return {pool: page_pairs(pool, pair, self._slots) for pool, pair in request.items()}
 
     def expand_groups(

@@ -85,7 +85,12 @@ def load_config(
         )
     where = "config" if source is None or isinstance(source, Mapping) else str(source)
     env = os.environ if env is None else env
+    if not isinstance(env, Mapping):
+        raise ArgumentError(f"load_config(env=) takes a mapping of variables, not {env!r:.80}")
     named = {name: env[PREFIX + name.upper()] for name in FIELDS if PREFIX + name.upper() in env}
+    for name, text in named.items():
+        if not isinstance(text, str):
+            raise ArgumentError(f"{PREFIX}{name.upper()} must be a str, not {text!r:.80}")
     raw.update({name: _from_env(name, text) for name, text in named.items()})
     if named:
         where += f" with {', '.join(PREFIX + n.upper() for n in named)}"
@@ -99,7 +104,7 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (OSError, ValueError) as exc:  # tomllib's and json's errors are ValueErrors
+    except (OSError, ValueError, RecursionError) as exc:  # tomllib's and json's: ValueErrors
         raise XferError(f"{path}: cannot read the config: {exc}", subject=str(path)) from None
     if not isinstance(data, dict):
         raise XferError(f"{path}: the config must be a table, not {type(data).__name__}")
@@ -110,7 +115,7 @@ def _from_env(name: str, text: str) -> Any:
     if name == "backend_options":
         try:
             return json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # nested past the interpreter's depth
             raise XferError(f"{PREFIX}BACKEND_OPTIONS is not JSON: {exc}") from None
     if name == "trusted_keys":
         return [p for p in text.split(os.pathsep) if p]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arguments import seconds
+from ..arguments import items, seconds
 from ..backend import Backend
 from ..closing import Closing
 from ..copier import CPU
@@ -340,10 +340,7 @@ class Session(Closing):
         if isinstance(source, str) and source:  # the common case, checked first
             return (source,)
         raw = (source,) if isinstance(source, str) else source
-        try:  # a 0-d array is Iterable, and iterating it raises
-            sources = tuple(raw) if isinstance(raw, Iterable) else ()
-        except TypeError:
-            sources = ()
+        sources = items(raw) or ()
         if not sources or not all(isinstance(s, str) and s for s in sources):
             raise XferError(f"{call}(source=) takes session or group addresses, not {source!r}")
         if len(set(sources)) != len(sources):

@@ -69,8 +69,7 @@ class Shell:
         self.lock = threading.Lock()
         self.commands: deque[tuple[Any, ...]] = deque()
         self.progress: list[str] = []
-        self._woken = False
-        self._until = math.inf  # this pass's budget runs out (BUDGET_S)
+        self._woken, self._until = False, math.inf  # until: this pass's budget ends (BUDGET_S)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
