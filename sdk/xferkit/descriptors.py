@@ -34,16 +34,13 @@ class Descriptors:
     __slots__ = ("_seal", "dst", "nbytes", "src")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-        for name, a in (("src", src), ("dst", dst), ("nbytes", nbytes)):
-            if not isinstance(a, np.ndarray) or a.dtype != np.uint64 or a.ndim != 1:
-                what = (
-                    f"{a.dtype} {a.ndim}-D array" if isinstance(a, np.ndarray) else type(a).__name__
-                )
-                raise ArgumentError(f"Descriptors {name} must be a 1-D uint64 array, not a {what}")
-        if not src.size == dst.size == nbytes.size:
-            raise ArgumentError(
-                f"Descriptors: {src.size} sources, {dst.size} destinations, {nbytes.size} lengths"
-            )
+        nd = np.ndarray
+        if not (  # one expression: made for every round of every chunk
+            isinstance(src, nd) and isinstance(dst, nd) and isinstance(nbytes, nd)
+            and src.dtype is _U64 and dst.dtype is _U64 and nbytes.dtype is _U64
+            and src.ndim == dst.ndim == nbytes.ndim == 1 and src.size == dst.size == nbytes.size
+        ):  # fmt: skip
+            _check(src, dst, nbytes)
         self.src, self.dst, self.nbytes = src, dst, nbytes
         self._seal: tuple[Manifest, Manifest, tuple[np.ndarray, ...]] | None = None
 
@@ -134,6 +131,24 @@ class Descriptors:
             np.concatenate([p.src for p in parts]),
             np.concatenate([p.dst for p in parts]),
             np.concatenate([p.nbytes for p in parts]),
+        )
+
+
+_U64 = np.dtype(np.uint64)
+
+
+def _check(src: object, dst: object, nbytes: object) -> None:
+    """Three 1-D uint64 arrays of one length (a uint64 dtype that is not numpy's own object
+    passes), else an ``ArgumentError`` naming the first that is not."""
+    arrays = {"src": src, "dst": dst, "nbytes": nbytes}
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray) or a.dtype != _U64 or a.ndim != 1:
+            what = f"{a.dtype} {a.ndim}-D array" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ArgumentError(f"Descriptors {name} must be a 1-D uint64 array, not a {what}")
+    sizes = [a.size for a in arrays.values()]  # type: ignore[attr-defined]
+    if len(set(sizes)) > 1:
+        raise ArgumentError(
+            f"Descriptors: {sizes[0]} sources, {sizes[1]} destinations, {sizes[2]} lengths"
         )
 
 
