@@ -120,3 +120,38 @@ def test_sources_that_cannot_be_iterated_are_refused_naming_them() -> None:
             with pytest.raises(xk.XferError, match="source="):
                 call()
         s.expect("r", [s.address], {"p": [0]})  # the id was not taken by the refusals
+
+
+class _ClosingSlots(dict):
+    """Slots whose reading closes the Session: a close from another thread landing while
+    ``expect`` or ``write`` checks its arguments, made deterministic."""
+
+    session: Session | None = None
+
+    def items(self):  # type: ignore[no-untyped-def]
+        assert self.session is not None
+        self.session.close()
+        return super().items()
+
+
+def test_a_call_racing_a_close_is_refused_not_left_unanswered() -> None:
+    """Before, a call that found the Session open queued its command behind the close: the
+    control thread had ended, nothing ran it, and the handle stayed HANDSHAKING for good
+    (a busy engine closing while other threads call in left 3 of 5,383 handles so)."""
+    m = _manifest()
+    before = _held()
+    s = Session(xk.open_backend("loopback"), m)
+    slots = _ClosingSlots({"p": [0]})
+    slots.session = s
+    with pytest.raises(xk.XferError, match="closed"):
+        s.expect("r", "tcp://127.0.0.1:1", slots)
+    assert _settled(before) == before
+
+    s = Session(xk.open_backend("loopback"), m)
+    send = s.offer("w")
+    slots = _ClosingSlots({"p": [1]})
+    slots.session = s
+    send.write(slots, last=True)  # the close failed it meanwhile: nothing more is written
+    assert send.poll() is xk.State.FAILED
+    send.abort()  # done already: answered, not refused
+    assert _settled(before) == before

@@ -118,6 +118,8 @@ class _Handle:
         ``timeout=0`` only asks: ``poll()`` says FAILED later, when that holds.
         """
         limit = time.monotonic() + seconds(timeout, "timeout")
+        if self.done:  # nothing to abort (its Session may be closed: nothing to ask it)
+            return
         self._session._submit(("abort", self))
         if timeout == 0:
             return

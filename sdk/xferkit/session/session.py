@@ -20,13 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from ..arguments import items, seconds
+from ..arguments import seconds
 from ..backend import Backend
 from ..closing import Closing
 from ..copier import CPU
 from ..errors import ArgumentError, XferError
 from ..manifest import Manifest
 from ..reach import check_reach
+from . import checks
 from .config import SessionConfig, open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
@@ -251,8 +252,8 @@ class Session(Closing):
         rank holds already (a prefix cache hit; ``slots`` names the rest): the sources' pages
         that would fill them are not sent (docs/engine.md, "Prefix delta")."""
         self._check_open("expect")
-        rid = self._check_id(request_id)
-        sources = self._check_sources(source, "expect")
+        rid = checks.request_id(request_id)
+        sources = checks.sources(source, "expect")
         checked = self._local_slots(slots, f"request {rid!r}: expect()")
         held = check_skip(skip, checked, f"request {rid!r}: expect()")
         self._claim(rid)
@@ -263,7 +264,7 @@ class Session(Closing):
     def offer(self, request_id: str) -> Send:
         """Prefill side: the request ``request_id`` will be written from here (``Send.write``)."""
         self._check_open("offer")
-        rid = self._check_id(request_id)
+        rid = checks.request_id(request_id)
         self._claim(rid)
         handle = Send(self, rid)
         self._submit(("offer", handle, rid))
@@ -273,8 +274,8 @@ class Session(Closing):
         """Decode side, before ``expect``: ask the sources to keep holding ``request_id`` (written,
         not yet claimed) for another ``lease_s`` of theirs. A source holding nothing ignores it."""
         self._check_open("renew")
-        rid = self._check_id(request_id)
-        self._submit(("renew", rid, self._check_sources(source, "renew")))
+        rid = checks.request_id(request_id)
+        self._submit(("renew", rid, checks.sources(source, "renew")))
 
     @classmethod
     def from_config(
@@ -309,9 +310,10 @@ class Session(Closing):
     def close(self, timeout: float = 10.0) -> None:
         """Fail every open request on both sides, tell the peers, release sockets and backend."""
         limit = seconds(timeout, "timeout")  # refused before anything stops: nothing leaks
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:  # a command is queued before the close, or refused (``_submit``)
+            if self._closed:
+                return
+            self._closed = True
         self._finalizer.detach()
         _stop(self._shell, self.backend, f"session {self.address} was closed", limit)
 
@@ -321,31 +323,17 @@ class Session(Closing):
         _call(self._on_finished, handle, self.address)
 
     def _submit(self, command: tuple[Any, ...]) -> None:
-        self._shell.submit(command)
+        """Queue ``command`` ahead of any close, or refuse it: one queued behind the close
+        was never run, and its handle stayed HANDSHAKING for good."""
+        with self._lock:
+            self._check_open(command[0])
+            self._shell.submit(command)
 
     # -- checks on the engine's thread -----------------------------------------------
 
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise XferError(f"{call}(): session {self.address} is closed")
-
-    @staticmethod
-    def _check_id(request_id: object) -> str:
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
-            raise XferError(f"a request id is a str of 1..256 characters, not {request_id!r}")
-        return request_id
-
-    @staticmethod
-    def _check_sources(source: object, call: str) -> tuple[str, ...]:
-        if isinstance(source, str) and source:  # the common case, checked first
-            return (source,)
-        raw = (source,) if isinstance(source, str) else source
-        sources = items(raw) or ()
-        if not sources or not all(isinstance(s, str) and s for s in sources):
-            raise XferError(f"{call}(source=) takes session or group addresses, not {source!r}")
-        if len(set(sources)) != len(sources):
-            raise XferError(f"{call}(source=) names an address twice: {sources}")
-        return sources
 
     def _claim(self, rid: str) -> None:
         with self._lock:
