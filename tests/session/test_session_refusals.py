@@ -3,6 +3,7 @@ registration, and the same call with good arguments then works."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -155,3 +156,38 @@ def test_a_call_racing_a_close_is_refused_not_left_unanswered() -> None:
     assert send.poll() is xk.State.FAILED
     send.abort()  # done already: answered, not refused
     assert _settled(before) == before
+
+
+def test_a_close_that_outwaits_its_timeout_leaves_the_sockets_to_the_control_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine's hook holds the control thread past close()'s timeout. Before, close()
+    then closed the sockets, the ZMQ context and the backend under the running thread,
+    which went on using them (a busy engine's run logged a failure on every pass of the
+    drain that followed: 220,749 lines). Now close() returns at its timeout, and the thread
+    releases them as it ends."""
+    m = _manifest()
+    before = _held()
+    seen: list[str] = []
+
+    def slow_hook(handle: object) -> None:
+        time.sleep(2.0)  # past close()'s 0.5 s, and the second it used to wait on top
+        router = s._shell.router  # what the thread goes on using once the hook returns
+        seen.append("router closed" if router.closed else "router open")
+        try:
+            s.backend.endpoint()
+            seen.append("backend open")
+        except xk.XferError as exc:
+            seen.append(f"backend: {exc}")
+
+    s = Session(xk.open_backend("loopback"), m, on_finished=slow_hook)
+    s.expect("r", "tcp://127.0.0.1:1", {"p": [0]})  # never paired: the close fails it at once
+    with caplog.at_level(logging.WARNING, logger="xferkit"):
+        began = time.monotonic()
+        s.close(timeout=0.5)
+        returned = time.monotonic() - began
+        assert _settled(before) == before  # the thread released everything as it ended
+    assert seen == ["router open", "backend open"]
+    assert returned < 1.9  # close() kept its timeout, not the hook's 2 s
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("did not stop within 0.5 s" in m for m in said), said

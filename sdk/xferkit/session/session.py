@@ -67,9 +67,10 @@ def _abandoned(shell: Shell, backend: Backend, address: str) -> None:
 
 def _stop(shell: Shell, backend: Backend, why: str, timeout: float) -> None:
     shell.submit(("close", why, max(timeout - 1.0, 0.0)))  # drains, leaving time to tear down
-    if not shell.join(timeout):
-        log.warning("%s: the control thread did not stop within %s s", shell.where, timeout)
-        shell.join(1.0)
+    if not shell.join(timeout) and shell.release_when_done(backend.close):
+        log.warning("%s: the control thread did not stop within %s s; it releases the sockets "
+                    "and the backend as it ends", shell.where, timeout)  # fmt: skip
+        return
     shell.teardown()
     backend.close()
 

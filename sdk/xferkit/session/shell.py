@@ -30,6 +30,7 @@ from . import actions as act
 from . import sockets, wire
 from .core import DRAIN_S, log
 from .dataplane import DataPlane
+from .dealers import Dealers
 from .keys import SessionKeys
 from .packer import Packer
 from .protocol import Protocol
@@ -77,16 +78,15 @@ class Shell:
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self._wake_fd, zmq.POLLIN)
-        self._socks: dict[act.Conn, zmq.Socket[Any]] = {}
-        self._monitors: dict[zmq.Socket[Any], act.Conn] = {}
-        self._dealers: dict[zmq.Socket[Any], act.Conn] = {}
+        self.dealers = Dealers(self.ctx, self._poller, keys, reconnect)
         self.packer = Packer(copier, self.event)
         self._driver_work: list[act.Action] = []  # for the data plane, flushed once a pass
         self._notify_fd: int | None = None
         self._poll_notes = False
         self.data = DataPlane(backend, self.event, self.where)
         self._thread: threading.Thread | None = None
-        self.stopped = threading.Event()
+        self._ended = False  # the control thread, and what it calls as it ends (if anything)
+        self._finish: Callable[[], None] | None = None
 
     # -- from any thread -------------------------------------------------------------
 
@@ -122,13 +122,17 @@ class Shell:
             return not self._thread.is_alive()
         return True
 
+    def release_when_done(self, finish: Callable[[], None]) -> bool:
+        """True while the control thread runs: it then tears down and calls ``finish`` as it
+        ends, not the caller that gave up waiting for it (which closed its sockets under it)."""
+        with self.lock:
+            if not self._ended:
+                self._finish = finish
+            return not self._ended
+
     def teardown(self) -> None:
         """Release every socket, the context and the workers (the control thread has ended)."""
-        for sock in list(self._socks.values()) + list(self._monitors):
-            with contextlib.suppress(Exception):
-                sock.close(linger=0)
-        self._socks.clear()
-        self._monitors.clear()
+        self.dealers.close_all()
         if self._auth is not None:
             with contextlib.suppress(Exception):
                 self._auth.stop()
@@ -152,7 +156,11 @@ class Shell:
             log.exception("%s: the session's control thread crashed", self.where)
             self._close("the session's control thread crashed (see the log)")
         finally:
-            self.stopped.set()
+            with self.lock:
+                self._ended, finish = True, self._finish
+            if finish is not None:  # close() stopped waiting for this thread: it releases
+                self.teardown()
+                finish()
 
     def _pass(self, most_s: float) -> bool:
         """One pass of the control thread: wait up to ``most_s`` for something to do, then
@@ -257,10 +265,10 @@ class Shell:
         p = self.protocol
         assert p is not None
         for sock in list(events):
-            conn = self._dealers.get(sock)
+            conn = self.dealers.conns.get(sock)
             if conn is not None:
                 while (
-                    self._socks.get(conn) is sock is not None
+                    self.dealers.socks.get(conn) is sock is not None
                     and sockets.waiting(sock)
                     and time.monotonic() <= self._until
                 ):
@@ -272,7 +280,7 @@ class Shell:
                     if msg is not None:
                         self._apply(p.receive(conn, msg, time.monotonic()))
                 continue
-            conn = self._monitors.get(sock)
+            conn = self.dealers.monitors.get(sock)
             if conn is not None:
                 self._on_monitor(sock, conn)
 
@@ -280,7 +288,7 @@ class Shell:
         p = self.protocol
         assert p is not None
         for event in sockets.monitor_events(mon):
-            if self._socks.get(conn) is None:
+            if self.dealers.socks.get(conn) is None:
                 return
             now = time.monotonic()
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -339,7 +347,7 @@ class Shell:
             elif type(a) is act.Open:
                 self._open(a.conn)
             elif type(a) is act.Close:
-                self._close_conn(a.conn, a.linger_ms)
+                self.dealers.close(a.conn, a.linger_ms)
 
     def _flush(self) -> None:
         """Hand the driver work gathered so far to the data plane (one wake-up for it all)."""
@@ -362,39 +370,15 @@ class Shell:
         try:
             if conn[0] == "down":
                 self.router.send_multipart([conn[1], wire.encode(msg)], zmq.NOBLOCK)
-            elif (sock := self._socks.get(conn)) is not None:
+            elif (sock := self.dealers.socks.get(conn)) is not None:
                 sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             kind = type(msg).__name__
             log.warning("%s: cannot send %s to %s: %s", self.where, kind, conn[1], exc)
 
     def _open(self, conn: act.Conn) -> None:
-        sock = sockets.dealer(self.ctx, conn[1], self.keys, self.reconnect)
-        if isinstance(sock, str):
+        refused = self.dealers.open(conn)
+        if refused is not None:
             p = self.protocol
             assert p is not None
-            self._apply(p.refused(conn, sock, time.monotonic()))
-            return
-        self._socks[conn] = sock
-        self._dealers[sock] = conn
-        self._poller.register(sock, zmq.POLLIN)
-        mon = sock.get_monitor_socket(sockets.MONITORED)
-        self._monitors[mon] = conn
-        self._poller.register(mon, zmq.POLLIN)
-
-    def _close_conn(self, conn: act.Conn, linger_ms: int) -> None:
-        sock = self._socks.pop(conn, None)
-        if sock is None:
-            return
-        self._dealers.pop(sock, None)
-        for mon, c in list(self._monitors.items()):
-            if c == conn:
-                del self._monitors[mon]
-                with contextlib.suppress(KeyError, zmq.ZMQError):
-                    self._poller.unregister(mon)
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disable_monitor()
-                mon.close(linger=0)
-        with contextlib.suppress(KeyError, zmq.ZMQError):
-            self._poller.unregister(sock)
-        sock.close(linger=linger_ms)
+            self._apply(p.refused(conn, refused, time.monotonic()))
