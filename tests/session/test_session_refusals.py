@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import xferkit as xk
-from xferkit.session import Session
+from xferkit.session import Receive, Send, Session
 
 
 def _manifest() -> xk.Manifest:
@@ -62,8 +62,18 @@ def test_a_close_with_a_bad_timeout_is_refused_before_anything_stops(timeout: ob
         {"group": "tcp://127.0.0.1:5|abc"},
         {"staging": np.array(["auto", "never"])},
         {"heartbeat_s": 2**1024},
+        {"bind": "tcp://127.0.0.1:0\udcff"},
+        {"group": "tcp://127.0.0.1:5\udcff"},
     ],
-    ids=["unknown host", "no host", "group key not trusted", "staging an array", "huge int"],
+    ids=[
+        "unknown host",
+        "no host",
+        "group key not trusted",
+        "staging an array",
+        "huge int",
+        "bind cannot encode",
+        "group cannot encode",
+    ],
 )
 def test_a_refused_session_leaves_the_backend_as_it_was(options: dict[str, object]) -> None:
     """Before, a refused bind or group left the manifest registered (the next Session on that
@@ -191,3 +201,62 @@ def test_a_close_that_outwaits_its_timeout_leaves_the_sockets_to_the_control_thr
     assert returned < 1.9  # close() kept its timeout, not the hook's 2 s
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("did not stop within 0.5 s" in m for m in said), said
+
+
+def test_a_close_from_the_sessions_own_hook_closes_it_once_the_hook_returns() -> None:
+    """Before, close() inside ``on_finished`` (the control thread) tried to join its own
+    thread: RuntimeError, the Session marked closed with its sockets, thread and backend
+    left open for good, and the garbage collector later hung in the ZMQ context's term()."""
+    m = _manifest()
+    before = _held()
+    ended: list[str] = []
+
+    def hook(handle: Receive | Send) -> None:
+        s.close()
+        ended.append(handle.request_id)
+
+    s = Session(xk.open_backend("loopback"), m, on_finished=hook)
+    got = s.expect("r", "tcp://127.0.0.1:1", {"p": [0]})
+    got.abort(0)  # FAILED at once (no source to confirm): the hook runs, and closes
+    assert _settled(before) == before
+    assert ended == ["r"]
+    with pytest.raises(xk.XferError, match="closed"):
+        s.offer("later")
+
+
+@pytest.mark.parametrize("where", ["request id", "source"])
+def test_text_that_cannot_travel_is_refused_at_the_call(where: str) -> None:
+    """A lone surrogate cannot be encoded. Before, expect() took it; the control thread died
+    encoding the first message naming it, and so did its crash handler: every handle of the
+    Session stayed HANDSHAKING for good, and close() hung in the ZMQ context's term()."""
+    m = _manifest()
+    before = _held()
+    with Session(xk.open_backend("loopback"), m) as s:
+        rid, source = ("r\udcff", "tcp://127.0.0.1:1") if where == "request id" else (
+            "r", "tcp://127.0.0.1:1\udcff"
+        )  # fmt: skip
+        with pytest.raises(xk.XferError, match=r"request id|source="):
+            s.expect(rid, source, {"p": [0]})
+        if where == "request id":
+            with pytest.raises(xk.XferError, match="request id"):
+                s.offer(rid)
+        s.expect("ok", "tcp://127.0.0.1:1", {"p": [0]}).abort(0)  # the Session still works
+    assert _settled(before) == before
+
+
+def test_of_two_last_writes_racing_on_one_handle_one_is_refused() -> None:
+    """``write(last=True)`` checked and set its handle's last flag in two steps. Before, two
+    threads could both pass (2-4 of 8 in a quarter of the trials under a fine switch
+    interval), and the two sides then disagreed. Here the second write runs inside the
+    first's slot check, deterministically."""
+    m = _manifest()
+    with Session(xk.open_backend("loopback"), m) as s:
+        send = s.offer("w")
+
+        class Racing(dict):  # the second write lands while the first checks its slots
+            def items(self):  # type: ignore[no-untyped-def]
+                send.write({"p": [2]}, last=True)
+                return super().items()
+
+        with pytest.raises(xk.XferError, match="after the last chunk"):
+            send.write(Racing({"p": [1]}), last=True)

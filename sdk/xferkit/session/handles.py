@@ -229,5 +229,8 @@ class Send(_Handle):
         covers = check_layers(layers, self._session.manifest, what)
         if self.done:
             return  # failed already (or aborted): nothing more is written
-        self._last = last
-        self._session._submit(("write", self, checked, last, covers))
+        with self._lock:  # one write of several racing from threads is the last one
+            if self._last:
+                raise XferError(f"request {self.request_id!r}: write() after the last chunk")
+            self._last = last
+            self._session._submit(("write", self, checked, last, covers))  # in this order

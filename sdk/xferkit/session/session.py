@@ -28,6 +28,7 @@ from ..errors import ArgumentError, XferError
 from ..manifest import Manifest
 from ..reach import check_reach
 from . import checks
+from .checks import utf8
 from .config import SessionConfig, open_session
 from .core import DRAIN_S, REMEMBERED, Settings, log
 from .handles import Receive, Send
@@ -67,6 +68,9 @@ def _abandoned(shell: Shell, backend: Backend, address: str) -> None:
 
 def _stop(shell: Shell, backend: Backend, why: str, timeout: float) -> None:
     shell.submit(("close", why, max(timeout - 1.0, 0.0)))  # drains, leaving time to tear down
+    if shell.on_control_thread():  # close() from an engine's hook: the thread cannot join
+        shell.release_when_done(backend.close)  # itself; it closes once the hook returns
+        return
     if not shell.join(timeout) and shell.release_when_done(backend.close):
         log.warning("%s: the control thread did not stop within %s s; it releases the sockets "
                     "and the backend as it ends", shell.where, timeout)  # fmt: skip
@@ -116,10 +120,10 @@ class Session(Closing):
             raise XferError(f"Session needs a Manifest, not {manifest!r}")
         if keys is not None and not isinstance(keys, SessionKeys):
             raise XferError(f"keys must be SessionKeys or None, not {keys!r}")
-        if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://")):
+        if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://")) or not utf8(bind):
             raise XferError(f"bind must be a tcp:// or ipc:// address, not {bind!r}")
         check_reach(backend, bind)  # before anything is registered or bound
-        if group is not None and (not isinstance(group, str) or not group):
+        if group is not None and (not isinstance(group, str) or not group or not utf8(group)):
             raise XferError(f"group is the session address of the rank serving it, not {group!r}")
         if group is not None and (problem := check(group.removeprefix(GROUP), keys)) is not None:
             raise XferError(f"Session cannot join group {group!r}: {problem}")
@@ -328,7 +332,9 @@ class Session(Closing):
         was never run, and its handle stayed HANDSHAKING for good."""
         with self._lock:
             self._check_open(command[0])
-            self._shell.submit(command)
+            if not self._shell.submit(command):
+                ended = f"session {self.address}'s control thread has ended (see the log)"
+                raise XferError(f"{command[0]}(): {ended}")
 
     # -- checks on the engine's thread -----------------------------------------------
 

@@ -85,8 +85,8 @@ class Shell:
         self._poll_notes = False
         self.data = DataPlane(backend, self.event, self.where)
         self._thread: threading.Thread | None = None
-        self._ended = False  # the control thread, and what it calls as it ends (if anything)
-        self._finish: Callable[[], None] | None = None
+        self._closing = self._ended = False  # the control thread's; and what it calls as it
+        self._finish: Callable[[], None] | None = None  # ends (release_when_done)
 
     # -- from any thread -------------------------------------------------------------
 
@@ -103,17 +103,23 @@ class Shell:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, command: tuple[Any, ...]) -> None:
-        """Queue a command for the control thread and wake it (once per batch)."""
+    def submit(self, command: tuple[Any, ...]) -> bool:
+        """Queue a command for the control thread and wake it (once per batch); False once
+        the thread has ended (nothing would run it)."""
         with self.lock:
+            if self._ended:
+                return False
             self.commands.append(command)
             if self._woken:
-                return
+                return True
             self._woken = True
         with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closing
             self._wake_w.send(b"\0")
+        return True
 
-    event = submit  # the data plane's and the pack worker's results travel the same way
+    def event(self, event: tuple[Any, ...]) -> None:
+        """The data plane's and the pack worker's results travel as commands do."""
+        self.submit(event)
 
     def join(self, timeout: float) -> bool:
         """Wait for the control thread to end; False if it has not."""
@@ -121,6 +127,9 @@ class Shell:
             self._thread.join(min(timeout, threading.TIMEOUT_MAX))  # inf: a lock would raise
             return not self._thread.is_alive()
         return True
+
+    def on_control_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def release_when_done(self, finish: Callable[[], None]) -> bool:
         """True while the control thread runs: it then tears down and calls ``finish`` as it
@@ -154,7 +163,10 @@ class Shell:
                 pass
         except Exception:  # a bug: fail everything loudly rather than hang the engine
             log.exception("%s: the session's control thread crashed", self.where)
-            self._close("the session's control thread crashed (see the log)")
+            try:
+                self._close("the session's control thread crashed (see the log)")
+            except Exception:  # as it did again: nothing more this thread can do
+                log.exception("%s: closing after the crash", self.where)
         finally:
             with self.lock:
                 self._ended, finish = True, self._finish
@@ -210,7 +222,8 @@ class Shell:
             kind, args = cmd[0], cmd[1:]
             now = time.monotonic()
             if kind == "close":
-                self._close(*args)
+                if not self._closing:  # else close() from a hook the closing itself called
+                    self._close(*args)
                 return True
             try:
                 if kind == "kicked":  # writes whose driver said they ended
@@ -223,6 +236,7 @@ class Shell:
     def _close(self, why: str, drain_s: float = DRAIN_S) -> None:
         p = self.protocol
         assert p is not None
+        self._closing = True
         self._apply(p.close(why, time.monotonic()))
         self._flush()
         limit = time.monotonic() + min(drain_s, DRAIN_S)
@@ -372,7 +386,7 @@ class Shell:
                 self.router.send_multipart([conn[1], wire.encode(msg)], zmq.NOBLOCK)
             elif (sock := self.dealers.socks.get(conn)) is not None:
                 sock.send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ValueError) as exc:  # a str that cannot encode: a bug, not fatal
             kind = type(msg).__name__
             log.warning("%s: cannot send %s to %s: %s", self.where, kind, conn[1], exc)
 

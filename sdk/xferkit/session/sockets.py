@@ -117,17 +117,17 @@ def dealer(
         return problem
     endpoint, _, key = address.partition("|")
     sock = ctx.socket(zmq.DEALER)
-    limits(sock)
-    low, high = reconnect
-    sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(low * 1000)))
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(high * 1000)))
-    if keys is not None:
-        sock.curve_secretkey = keys.secret
-        sock.curve_publickey = keys.public
-        sock.curve_serverkey = key.encode()
-    try:
+    try:  # a socket left open would hang the context's term() at close
+        limits(sock)
+        low, high = reconnect
+        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(low * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(high * 1000)))
+        if keys is not None:
+            sock.curve_secretkey = keys.secret
+            sock.curve_publickey = keys.public
+            sock.curve_serverkey = key.encode()
         sock.connect(endpoint)
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, ValueError) as exc:  # ValueError: text that cannot encode
         sock.close(linger=0)
-        return f"cannot connect to {address}: {exc}"
+        return f"cannot connect to {address!r}: {exc}"
     return sock
