@@ -75,7 +75,19 @@ def test_a_careless_call_is_an_xfer_error(call: str) -> None:
         CASES[call]()
 
 
-def test_a_transfer_abort_with_an_array_for_wait_is_refused_and_the_write_still_ends() -> None:
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda a, peer, one, t: a.write(peer, one, timeout=2**1024), "float"),
+        (lambda a, peer, one, t: t.wait(2**1024), "float"),
+        (lambda a, peer, one, t: t.abort("test", timeout=2**1024), "float"),
+        (lambda a, peer, one, t: t.abort("test", wait=np.array([1, 2])), "wait"),
+    ],
+    ids=["write timeout", "wait", "abort timeout", "abort wait"],
+)
+def test_a_careless_transfer_call_is_refused_and_the_write_still_ends(
+    call: Callable, match: str
+) -> None:
     src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
     with xk.open_backend("loopback") as a, xk.open_backend("loopback") as b:
         a.register(xk.Manifest.build([xk.Region.from_array(src, pool="p", name="s", layer=0)]))
@@ -83,10 +95,12 @@ def test_a_transfer_abort_with_an_array_for_wait_is_refused_and_the_write_still_
         b.register(mb)
         peer = a.connect(b.endpoint(), mb)
         addrs = (src.ctypes.data, dst.ctypes.data, 64)
-        t = a.write(peer, xk.Descriptors(*(np.array([x], np.uint64) for x in addrs)))
-        with pytest.raises(xk.XferError, match="wait"):
-            t.abort("test", wait=np.array([1, 2]))  # type: ignore[arg-type]
+        one = xk.Descriptors(*(np.array([x], np.uint64) for x in addrs))
+        t = a.write(peer, one)
+        with pytest.raises(xk.XferError, match=match):
+            call(a, peer, one, t)
         t.wait(10)
+        np.testing.assert_array_equal(dst, src)
 
 
 def test_a_config_file_nested_too_deep_is_refused_naming_it(tmp_path: Path) -> None:

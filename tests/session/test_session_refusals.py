@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -91,33 +90,6 @@ def test_a_refused_session_leaves_the_backend_as_it_was(options: dict[str, objec
     finally:
         backend.close()
     assert _settled(before) == before
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda t: t.wait(2**1024),
-        lambda t: t.abort("test", timeout=2**1024),
-    ],
-    ids=["wait", "abort"],
-)
-def test_a_duration_past_a_floats_range_is_an_argument_error(call: Callable) -> None:
-    src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
-    with xk.open_backend("loopback") as a, xk.open_backend("loopback") as b:
-        a.register(xk.Manifest.build([xk.Region.from_array(src, pool="p", name="s", layer=0)]))
-        mb = xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="d", layer=0)])
-        b.register(mb)
-        peer = a.connect(b.endpoint(), mb)
-        one = xk.Descriptors(
-            *(np.array([x], np.uint64) for x in (src.ctypes.data, dst.ctypes.data, 64))
-        )
-        with pytest.raises(xk.ArgumentError, match="float"):
-            a.write(peer, one, timeout=2**1024)
-        t = a.write(peer, one)
-        with pytest.raises(xk.ArgumentError, match="float"):
-            call(t)
-        t.wait(10)
-        np.testing.assert_array_equal(dst, src)
 
 
 def test_sources_that_cannot_be_iterated_are_refused_naming_them() -> None:
