@@ -515,6 +515,10 @@ class Backend(Closing):
 
     # -- guards ----------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise XferError(f"{call}(): this {self.name} backend is closed")

@@ -68,15 +68,14 @@ def _abandoned(shell: Shell, backend: Backend, address: str) -> None:
 
 def _stop(shell: Shell, backend: Backend, why: str, timeout: float) -> None:
     shell.submit(("close", why, max(timeout - 1.0, 0.0)))  # drains, leaving time to tear down
-    if shell.on_control_thread():  # close() from an engine's hook: the thread cannot join
-        shell.release_when_done(backend.close)  # itself; it closes once the hook returns
-        return
-    if not shell.join(timeout) and shell.release_when_done(backend.close):
-        log.warning("%s: the control thread did not stop within %s s; it releases the sockets "
-                    "and the backend as it ends", shell.where, timeout)  # fmt: skip
-        return
-    shell.teardown()
-    backend.close()
+    here = shell.on_control_thread()  # close() from an engine's hook: it cannot join itself
+    if (here or not shell.join(timeout)) and shell.hand_over():
+        if not here:
+            log.warning("%s: the control thread did not stop within %s s; it releases the "
+                        "sockets as it ends", shell.where, timeout)  # fmt: skip
+    else:
+        shell.teardown()
+    backend.close()  # deregistered: nothing lands after close() returns, whatever the thread
 
 
 class Session(Closing):

@@ -85,8 +85,7 @@ class Shell:
         self._poll_notes = False
         self.data = DataPlane(backend, self.event, self.where)
         self._thread: threading.Thread | None = None
-        self._closing = self._ended = False  # the control thread's; and what it calls as it
-        self._finish: Callable[[], None] | None = None  # ends (release_when_done)
+        self._closing = self._ended = self._handed = False  # the control thread's
 
     # -- from any thread -------------------------------------------------------------
 
@@ -131,13 +130,12 @@ class Shell:
     def on_control_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def release_when_done(self, finish: Callable[[], None]) -> bool:
-        """True while the control thread runs: it then tears down and calls ``finish`` as it
-        ends, not the caller that gave up waiting for it (which closed its sockets under it)."""
+    def hand_over(self) -> bool:
+        """True while the control thread runs: it then tears down as it ends, not the caller
+        that cannot wait for it (which used to close its sockets under it)."""
         with self.lock:
-            if not self._ended:
-                self._finish = finish
-            return not self._ended
+            self._handed = not self._ended
+            return self._handed
 
     def teardown(self) -> None:
         """Release every socket, the context and the workers (the control thread has ended)."""
@@ -169,10 +167,9 @@ class Shell:
                 log.exception("%s: closing after the crash", self.where)
         finally:
             with self.lock:
-                self._ended, finish = True, self._finish
-            if finish is not None:  # close() stopped waiting for this thread: it releases
+                self._ended = True
+            if self._handed:  # close() did not wait for this thread: it releases the sockets
                 self.teardown()
-                finish()
 
     def _pass(self, most_s: float) -> bool:
         """One pass of the control thread: wait up to ``most_s`` for something to do, then
@@ -325,6 +322,10 @@ class Shell:
             notes = self.backend.notifications()
         except XferError as exc:
             log.warning("%s: draining notifications: %s", self.where, exc)
+            if self.backend.closed:  # by a close() that stopped waiting for this thread: once
+                self._poll_notes, fd, self._notify_fd = False, self._notify_fd, None
+                with contextlib.suppress(KeyError, zmq.ZMQError):
+                    self._poller.unregister(fd)
             return
         for note in notes:
             self._apply(p.notification(note.peer, note.message, time.monotonic()))
