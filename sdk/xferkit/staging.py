@@ -234,6 +234,16 @@ class StagedPlan:
                     )
         return StagedRequest(on_wire, _rounds(parts, src_capacity, dst_capacity))
 
+    def expand_direct(
+        self, request: Mapping[str, tuple[object, object]], layers: Layers = None
+    ) -> Descriptors:
+        """The direct descriptors of ``request`` alone (``expand``'s ``direct``): what a chunk
+        joined to another's staged rounds still writes itself."""
+        direct_groups, _ = self._of_layers(layers)
+        if not direct_groups:
+            return Descriptors.empty()
+        return self.plan.expand_groups(self.plan.page_pairs(request), direct_groups)
+
 
 class _Part(NamedTuple):
     """Units [u0, u1) of one group in one round, and where their staging blocks start."""

@@ -32,14 +32,20 @@ def _specs() -> list[RegionSpec]:  # NHD pages of a GQA layer set: strided under
 
 class Ranks:
     def __init__(
-        self, src_tp: int, dst_tp: int, faults: Faults | None = None, **session: object
+        self,
+        src_tp: int,
+        dst_tp: int,
+        faults: Faults | None = None,
+        decode: dict[str, object] | None = None,
+        **session: object,
     ) -> None:
+        """``decode``: the decode Sessions' options where they differ from the prefill's."""
         slots = {"kv": PAGES}
         self.ref = Reference(
             _specs(), src_tp=src_tp, dst_tp=dst_tp, src_slots=slots, dst_slots=slots
         )
         self.pre = [self._session(r.manifest, session, faults) for r in self.ref.srcs]
-        self.dec = [self._session(r.manifest, session) for r in self.ref.dsts]
+        self.dec = [self._session(r.manifest, decode or session) for r in self.ref.dsts]
         self.sources = [p.address for p in self.pre]
 
     @staticmethod
@@ -270,6 +276,68 @@ def test_chunks_queued_for_the_staging_one_after_another_all_complete() -> None:
         # planning ends with the last round planned, before that round's write completed:
         # not at the last completion (every event added an empty "plan" span per chunk)
         assert send.timeline["plan"].end < send.timeline["wire"].end
+        assert r.staging_back()
+    finally:
+        r.close()
+
+
+def test_chunks_written_before_the_decode_ranks_ask_are_cut_as_one() -> None:
+    """Under load a decode rank asks once its own staging is free, and the engine has
+    written every chunk by then: they are cut, packed, written and unpacked as one chunk.
+    Before, each was its own round on both ranks (6 writes to each decode rank, not 1)."""
+    r = Ranks(1, 2, staging="always")
+    try:
+        pages = list(range(12))
+        (send,) = [p.offer("r") for p in r.pre]
+        for i in range(6):
+            send.write({"kv": pages[2 * i : 2 * i + 2]}, last=i == 5)
+        recvs = [d.expect("r", r.sources, {"kv": pages}) for d in r.dec]
+        assert {h.wait(20) for h in [*recvs, send]} == {State.DONE}
+        assert (send.routes.staged, send.routes.direct) == (12, 0)  # 6 chunks to each rank
+        assert send.routes.staged_rounds == len(r.dec)
+        slot = sum(region.slot_nbytes for region in r.ref.dsts[0].manifest.regions)
+        assert send.routes.staged_bytes == 12 * slot * len(r.dec)
+        for i in range(len(r.dec)):
+            r.ref.check(i, {"kv": (pages, pages)})
+        assert r.staging_back()
+    finally:
+        r.close()
+
+
+def test_chunks_waiting_for_the_prefill_ranks_staging_join_the_one_before() -> None:
+    """The decode ranks asked first; the chunks then find the prefill rank's staging held
+    by another request, wait, and each joins the one waiting before it. A decode rank's
+    unit here is 32 KiB a page, a round at most 64 KiB: the 4 one-page chunks take 2
+    rounds to each decode rank, where they took 4. The bytes land where each chunk said."""
+    slice_bytes = 1 << 17
+    r = Ranks(
+        1,
+        2,
+        faults=Faults(stall_post_at=1),
+        decode={"staging": "always"},
+        staging="always",
+        staging_bytes=slice_bytes,
+        staging_slice_bytes=slice_bytes,
+    )
+    try:
+        held = _hold_staging(r, "a")  # a round of it stalls holding all of this staging
+        pages = list(range(24, 28))
+        recvs = [d.expect("b", r.sources, {"kv": pages}) for d in r.dec]
+        (send,) = [p.offer("b") for p in r.pre]
+        limit = time.monotonic() + 10
+        while send.poll() is not State.WAITING and time.monotonic() < limit:
+            time.sleep(0.01)  # both decode ranks' Requests arrived: b's chunks are planned
+        for i, page in enumerate(pages):
+            send.write({"kv": [page]}, last=i == len(pages) - 1)
+        with pytest.raises(xk.XferError, match="still"):
+            send.wait(0.5)  # waiting for the staging
+        held[0].abort(10)  # gives it back
+        assert {h.wait(20) for h in [*recvs, send]} == {State.DONE}
+        assert (send.routes.staged, send.routes.direct) == (8, 0)
+        assert send.routes.staged_rounds == 2 * len(r.dec)
+        assert send.routes.staging_wait_s >= 0.5
+        for i in range(len(r.dec)):
+            r.ref.check(i, {"kv": (pages, pages)})
         assert r.staging_back()
     finally:
         r.close()

@@ -138,7 +138,9 @@ class _Rank:
                 verified = str(exc)
             self.checker.reset(self.rank.arrays, check)
         r = handle.routes
-        routes = (r.staged, r.direct, r.staging_wait_s, r.staged_bytes, r.direct_bytes)
+        routes = (
+            r.staged, r.direct, r.staging_wait_s, r.staged_bytes, r.direct_bytes, r.staged_rounds
+        )  # fmt: skip
         times = {s.name: t for s, t in handle.times.items()}
         spans = {k: (s.start, s.end, s.busy) for k, s in handle.timeline.items()}
         del self._pending[rid]

@@ -111,9 +111,10 @@ class Outgoing:
             rec.deadline = now + self.s.request_timeout_s
         rec.dst_size = (down.place.tp_size, down.place.pp_size)
         dst = rec.dsts[place] = Dst(down, msg, slots)
-        for chunk, last, layers in rec.chunks:
-            if rec.error is None:
-                self._write_chunk(rec, dst, chunk, last, layers, now)
+        with self.stager.holding(rec, dst):
+            for chunk, last, layers in rec.chunks:
+                if rec.error is None:
+                    self._write_chunk(rec, dst, chunk, last, layers, now)
         self._check(rec)
 
     def _early_failure(self, rid: str, error: RequestError) -> None:
@@ -215,8 +216,8 @@ class Outgoing:
         staged = self.stager.chunk(rec, dst, request, spans, layers)
         chunk = None
         if staged is not None:
-            descs, chunk = staged
-            dst.planned += chunk.out.rounds
+            descs, chunk = staged.direct, staged.chunk
+            dst.planned += staged.rounds
         else:
             try:
                 descs = plan.expand(request, layers)
@@ -224,7 +225,7 @@ class Outgoing:
                 self.fail(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
                 return
         rec.timeline.add("plan", began, self.s.clock())
-        rec.counted(descs, chunk)
+        rec.counted(descs, None if staged is None else staged.staged_bytes)
         # The last chunk's writes announce the total; with none to post, an empty one does.
         if len(descs) or (last and not self.stager.unposted(dst)):
             dst.planned += 1
@@ -248,6 +249,7 @@ class Outgoing:
         dst.pending[wid] = tag
         dst.down.writes += 1
         rec.descriptors[r is not None] += len(descs)
+        rec.rounds += r is not None
         if rec.handle is not None and not rec.transferring:
             rec.transferring = True
             self.out.move(rec.handle, State.TRANSFERRING)

@@ -25,12 +25,17 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 class Chunk:
     """One staged chunk to one decode rank: its rounds and the piece of staging they pack
-    into (``slice``, 0 until it has one; ``need``: its size, 0 when it packs nothing)."""
+    into (``slice``, 0 until it has one; ``need``: its size, 0 when it packs nothing), and
+    the request it was cut from (what a later chunk joins while none of it has started)."""
 
-    __slots__ = ("at", "index", "layers", "need", "out", "slice", "waiting_since")
+    __slots__ = ("at", "index", "layers", "need", "out", "request", "slice", "waiting_since")
 
-    def __init__(self, index: int, out: Outbound, need: int, at: dict, layers: Layers) -> None:
+    def __init__(
+        self, index: int, out: Outbound, need: int, at: dict, layers: Layers,
+        request: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    ) -> None:  # fmt: skip
         self.index, self.out, self.need, self.at, self.layers = index, out, need, at, layers
+        self.request = request
         self.slice = 0
         self.waiting_since = 0.0
 
@@ -230,6 +235,7 @@ class SendRec:
         self.staged = self.direct = 0  # its chunks (per decode place) by route
         self.staged_bytes = self.direct_bytes = 0
         self.descriptors = [0, 0]  # posted: direct, staged
+        self.rounds = 0  # staged writes posted
         self.timeline = Timeline()
 
     @property
@@ -237,17 +243,18 @@ class SendRec:
         peers = tuple(sorted({d.down.place.address for d in self.dsts.values()}))
         return Routes(
             self.staged, self.direct, self.staging_wait_s, self.staged_bytes, self.direct_bytes,
-            self.descriptors[1], self.descriptors[0], peers,
+            self.descriptors[1], self.descriptors[0], peers, self.rounds,
         )  # fmt: skip
 
-    def counted(self, direct: Descriptors, chunk: Chunk | None) -> None:
-        """Count a chunk by its route: what it writes direct, and through staging."""
+    def counted(self, direct: Descriptors, staged_bytes: int | None) -> None:
+        """Count a chunk by its route: what it writes direct, and through staging (None: it
+        went direct)."""
         self.direct_bytes += direct.total_bytes
-        if chunk is None:
+        if staged_bytes is None:
             self.direct += 1
             return
         self.staged += 1
-        self.staged_bytes += sum(max(r.src_bytes, r.dst_bytes) for r in chunk.out.req.rounds)
+        self.staged_bytes += staged_bytes
 
     @property
     def pending(self) -> bool:

@@ -9,23 +9,48 @@ worse: its request's deadline bounds the wait. Each round is one write whose
 tag names its chunk and round; the decode rank unpacks it on arrival and
 answers ``Unpacked``, which frees that half of its piece for round k+2. Packs
 run off the control thread (``Settings.runner``), so that round k+1 packs while
-round k is posted; a finished pack comes back as ``Protocol.pump``.
+round k is posted; a finished pack comes back as ``Protocol.pump``. A chunk
+written while the one before it to the same decode rank has not started joins
+it: under load most chunks wait, and each one's fixed cost on both ranks (its
+cut, pack, write, notification, unpack) was the load's bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
 from ..descriptors import Descriptors
 from ..errors import PlanError
 from ..planner.expand import Layers
+from ..staging import StagedPlan, StagedRequest
 from . import wire
 from .core import Settings, log
 from .rounds import Outbound, Runner, aligned
 from .sends import Chunk, Dst, SendRec
+
+
+class Planned(NamedTuple):
+    """A chunk as the stager planned it: what it writes direct, the staged chunk that carries
+    the rest (one it joined, or its own), and the rounds and staging bytes that added."""
+
+    direct: Descriptors
+    chunk: Chunk
+    rounds: int
+    staged_bytes: int
+
+
+def _bytes(req: StagedRequest) -> int:
+    return sum(max(r.src_bytes, r.dst_bytes) for r in req.rounds)
+
+
+def _cat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.concatenate((a, b))
+
 
 PostRound = Callable[[SendRec, Dst, Descriptors, wire.Round], None]
 FailSend = Callable[[SendRec, str, str], None]
@@ -39,6 +64,7 @@ class Stager:
     ) -> None:
         self.s, self._post, self._fail, self._clock = s, post, fail, clock
         self._waiting: deque[tuple[SendRec, Dst, Chunk]] = deque()  # for a piece, oldest first
+        self._holding: Dst | None = None  # its chunks are planned, not started (``holding``)
 
     def _runner(self, rid: str) -> Runner | None:
         run = self.s.runner
@@ -53,7 +79,7 @@ class Stager:
         request: Mapping[str, tuple[np.ndarray, np.ndarray]],
         at: dict[str, tuple[int, int, int]],
         layers: Layers = None,
-    ) -> tuple[Descriptors, Chunk] | None:
+    ) -> Planned | None:
         """The chunk's direct part and its staged rounds, or None when it goes direct."""
         staged = dst.down.staged
         if staged is None or not staged.staged or self.s.copier is None:
@@ -62,38 +88,115 @@ class Stager:
         packs, unpacks = staged.packs(pools), staged.unpacks(pools)
         if not (packs or unpacks) or (unpacks and not dst.staging):
             return None
-        arena = self.s.arena
+        joined = self._join(rec, dst, request, at, layers)
+        if joined is not None:
+            return joined
         try:
-            req = staged.expand(
-                request, src_capacity=arena.half, dst_capacity=dst.staging_bytes // 2,
-                layers=layers,
-            )  # fmt: skip
+            req = self._cut(staged, dst, request, layers=layers)
         except PlanError as exc:
             log.warning("%s: staging request %r: %s; going direct", self.s.address, rec.rid, exc)
             return None
-        # Two halves where rounds alternate, one where a single round holds the chunk.
-        half = min(aligned(req.src_bytes), arena.half) if packs else 0
-        need = half * min(len(req.rounds), 2)  # within the slice: a piece always comes
-        out = Outbound(
-            req,
-            0,
-            dst.staging,
-            half,
-            dst.staging_bytes // 2,
-            dst.halves,
-            self.s.copier,
-            self._runner(rec.rid) if packs else None,
-        )
-        chunk = Chunk(dst.chunks, out, need, at, layers)
+        chunk = Chunk(dst.chunks, self._outbound(rec, dst, req, packs), 0, at, layers, request)
         dst.chunks += 1
         dst.staged[chunk.index] = chunk
-        if need:
+        self._needs(rec, dst, chunk)
+        return Planned(req.direct, chunk, len(req.rounds), _bytes(req))
+
+    def _cut(
+        self,
+        staged: StagedPlan,
+        dst: Dst,
+        request: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        direct: bool = True,
+        layers: Layers = None,
+    ) -> StagedRequest:
+        """``request``'s rounds within half this rank's slice and half the decode rank's."""
+        half, dst_half = self.s.arena.half, dst.staging_bytes // 2
+        return staged.expand(
+            request, src_capacity=half, dst_capacity=dst_half, direct=direct, layers=layers
+        )
+
+    def _outbound(self, rec: SendRec, dst: Dst, req: StagedRequest, packs: bool) -> Outbound:
+        # Two halves where rounds alternate, one where a single round holds the chunk.
+        half = min(aligned(req.src_bytes), self.s.arena.half) if packs else 0
+        assert self.s.copier is not None  # a Session without one stages nothing
+        runner = self._runner(rec.rid) if packs else None
+        return Outbound(
+            req, 0, dst.staging, half, dst.staging_bytes // 2, dst.halves, self.s.copier, runner
+        )
+
+    def _needs(self, rec: SendRec, dst: Dst, chunk: Chunk) -> None:
+        """Queue ``chunk`` for its piece of staging, if it packs and does not wait already."""
+        need = chunk.out.half * min(chunk.out.rounds, 2)  # within the slice: a piece comes
+        waiting, chunk.need = chunk.need, need
+        if need and not waiting:
             chunk.waiting_since = self._clock()
             self._waiting.append((rec, dst, chunk))
+            if dst is self._holding:
+                return
             for r, d in self._serve():
                 if d is not dst:  # the caller pumps this one
                     self.pump(r, d)
-        return req.direct, chunk
+
+    def _join(
+        self,
+        rec: SendRec,
+        dst: Dst,
+        request: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        at: dict[str, tuple[int, int, int]],
+        layers: Layers,
+    ) -> Planned | None:
+        """Fold a chunk into the one before it to the same decode rank, while none of that one
+        has started (it waits for staging, or for the decode rank's halves): one cut, pack,
+        write, notification and unpack then serve both. Under load an engine writes chunks
+        faster than staging frees, and a chunk's fixed cost on both ranks bounds the load
+        (docs/performance.md). The decode rank cannot tell: the joined chunk's spans are
+        the two spans end to end, and it cuts the same rounds from them."""
+        prev = dst.staged.get(dst.chunks - 1)
+        if (
+            layers is not None
+            or prev is None
+            or prev.layers is not None
+            or prev.slice
+            or prev.out.next
+            or prev.out.packing is not None
+            or any(p in prev.at and sum(prev.at[p][:2]) != a[0] for p, a in at.items())
+        ):
+            return None
+        both = dict(prev.request)
+        spans = dict(prev.at)
+        for pool, (src, dsts) in request.items():
+            had = both.get(pool)
+            both[pool] = (src, dsts) if had is None else (_cat(had[0], src), _cat(had[1], dsts))
+            first, count, sources = spans.get(pool, (at[pool][0], 0, 0))
+            spans[pool] = (first, count + at[pool][1], sources + at[pool][2])
+        staged = dst.down.staged
+        assert staged is not None
+        try:
+            req = self._cut(staged, dst, both, direct=False)
+            direct = staged.expand_direct(request)
+        except PlanError:
+            return None  # cut on its own, which says why
+        before, rounds = _bytes(prev.out.req), prev.out.rounds
+        prev.out = self._outbound(rec, dst, req, staged.packs(both))
+        prev.request, prev.at = both, spans
+        self._needs(rec, dst, prev)
+        return Planned(direct, prev, len(req.rounds) - rounds, _bytes(req) - before)
+
+    @contextlib.contextmanager
+    def holding(self, rec: SendRec, dst: Dst) -> Iterator[None]:
+        """Plan ``dst``'s chunks without starting any, then start them: a decode rank whose
+        ``Request`` finds a request's chunks written already (it waited for its own staging,
+        as under load) gets them joined into one, as if the engine had written one."""
+        self._holding = dst
+        try:
+            yield
+        finally:
+            self._holding = None
+        for r, d in self._serve():
+            if d is not dst:
+                self.pump(r, d)
+        self.pump(rec, dst)
 
     def _serve(self) -> list[tuple[SendRec, Dst]]:
         """Give pieces to waiting chunks, oldest first, while they fit; their sends."""
@@ -126,6 +229,8 @@ class Stager:
         already done made a request of many chunks (layer-wise, long chunked prefills)
         quadratic on the control thread. Once the decode rank's next half is taken, the
         chunks queued behind it for one are passed over at the cost of a check."""
+        if dst is self._holding:  # its chunks start together, once planned
+            return
         if dst.down.lost:  # nothing more to a lost rank: this request is about to fail too
             return  # (losing a paused rank fails its requests in turn; one's staging given
             # back wakes another's waiting chunk here, before that one's turn came)

@@ -33,8 +33,10 @@ class Routes(msgspec.Struct, frozen=True):
     descriptors that need no gathering go direct), ``staged_descriptors`` and
     ``direct_descriptors`` the wire descriptors its writes posted each way (a staged
     round's copies after joining), ``peers`` the session addresses of the ranks it moved
-    data with. On the decode side the counts, bytes and descriptors are 0: the routes are
-    the prefill rank's choice. Nothing is retried: a write that fails fails its request."""
+    data with, ``staged_rounds`` the staged writes it posted (a round each; chunks that
+    waited together are joined, so several chunks may share rounds). On the decode side
+    the counts, bytes and descriptors are 0: the routes are the prefill rank's choice.
+    Nothing is retried: a write that fails fails its request."""
 
     staged: int = 0
     direct: int = 0
@@ -44,6 +46,7 @@ class Routes(msgspec.Struct, frozen=True):
     staged_descriptors: int = 0
     direct_descriptors: int = 0
     peers: tuple[str, ...] = ()
+    staged_rounds: int = 0
 
 
 @dataclass(frozen=True, slots=True)
