@@ -120,7 +120,7 @@ COLUMNS = [
     Column("p50 ms", _get("p50_ms", ".0f"), width=8),
     Column("p99 ms", _get("p99_ms", ".0f"), width=8),
     Column("staged", _staged, width=10),
-    Column("rounds", _get("staged_rounds", "d"), width=7),
+    Column("writes", _get("writes", "d"), width=7),
     Column("wait p99", _get("staging_wait_p99_ms", ".1f"), width=10),
     Column("vs 1 large", _get("vs_large", ".2f"), width=11),
     Column(" error", lambda r: " " + r["error"][:60], width=61, left=True),

@@ -281,11 +281,13 @@ def test_chunks_queued_for_the_staging_one_after_another_all_complete() -> None:
         r.close()
 
 
-def test_chunks_written_before_the_decode_ranks_ask_are_cut_as_one() -> None:
+@pytest.mark.parametrize("staging", ["always", "never"])
+def test_chunks_written_before_the_decode_ranks_ask_are_cut_as_one(staging: str) -> None:
     """Under load a decode rank asks once its own staging is free, and the engine has
-    written every chunk by then: they are cut, packed, written and unpacked as one chunk.
-    Before, each was its own round on both ranks (6 writes to each decode rank, not 1)."""
-    r = Ranks(1, 2, staging="always")
+    written every chunk by then: they go as one chunk (staged: cut, packed, written and
+    unpacked once; direct: expanded and written once). Before, each was its own write on
+    both ranks (6 to each decode rank, not 1)."""
+    r = Ranks(1, 2, staging=staging)
     try:
         pages = list(range(12))
         (send,) = [p.offer("r") for p in r.pre]
@@ -293,10 +295,11 @@ def test_chunks_written_before_the_decode_ranks_ask_are_cut_as_one() -> None:
             send.write({"kv": pages[2 * i : 2 * i + 2]}, last=i == 5)
         recvs = [d.expect("r", r.sources, {"kv": pages}) for d in r.dec]
         assert {h.wait(20) for h in [*recvs, send]} == {State.DONE}
-        assert (send.routes.staged, send.routes.direct) == (12, 0)  # 6 chunks to each rank
-        assert send.routes.staged_rounds == len(r.dec)
+        routes = send.routes  # 6 chunks to each of the 2 decode ranks
+        assert (routes.staged, routes.direct) == ((12, 0) if staging == "always" else (0, 12))
+        assert routes.writes == len(r.dec)
         slot = sum(region.slot_nbytes for region in r.ref.dsts[0].manifest.regions)
-        assert send.routes.staged_bytes == 12 * slot * len(r.dec)
+        assert routes.staged_bytes + routes.direct_bytes == 12 * slot * len(r.dec)
         for i in range(len(r.dec)):
             r.ref.check(i, {"kv": (pages, pages)})
         assert r.staging_back()
@@ -334,7 +337,7 @@ def test_chunks_waiting_for_the_prefill_ranks_staging_join_the_one_before() -> N
         held[0].abort(10)  # gives it back
         assert {h.wait(20) for h in [*recvs, send]} == {State.DONE}
         assert (send.routes.staged, send.routes.direct) == (8, 0)
-        assert send.routes.staged_rounds == 2 * len(r.dec)
+        assert send.routes.writes == 2 * len(r.dec)
         assert send.routes.staging_wait_s >= 0.5
         for i in range(len(r.dec)):
             r.ref.check(i, {"kv": (pages, pages)})

@@ -139,7 +139,7 @@ class _Rank:
             self.checker.reset(self.rank.arrays, check)
         r = handle.routes
         routes = (
-            r.staged, r.direct, r.staging_wait_s, r.staged_bytes, r.direct_bytes, r.staged_rounds
+            r.staged, r.direct, r.staging_wait_s, r.staged_bytes, r.direct_bytes, r.writes
         )  # fmt: skip
         times = {s.name: t for s, t in handle.times.items()}
         spans = {k: (s.start, s.end, s.busy) for k, s in handle.timeline.items()}

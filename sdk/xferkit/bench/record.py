@@ -50,7 +50,7 @@ class Record:
     staging_wait_s: float = 0.0  # the longest any rank's chunks waited for staging
     staged_bytes: int = 0
     direct_bytes: int = 0
-    rounds: int = 0  # staged writes (a chunk joined to the one before shares its rounds)
+    writes: int = 0  # posted (chunks joined to the one before share its writes)
     _last_done: float = field(default=-1.0, repr=False)
 
     def times(self, times: dict[str, float]) -> None:
@@ -96,10 +96,10 @@ class Record:
         waited: float,
         staged_bytes: int,
         direct_bytes: int,
-        rounds: int = 0,
+        writes: int = 0,
     ) -> None:
         """Add one rank's ``handle.routes``."""
-        self.rounds += rounds
+        self.writes += writes
         self.staged += staged
         self.direct += direct
         self.staged_bytes += staged_bytes
@@ -129,7 +129,7 @@ class Record:
                 "plan": {"bytes": self.bytes, "descriptors": self.descriptors},
                 "staged_chunks": self.staged,
                 "direct_chunks": self.direct,
-                "staged_rounds": self.rounds,
+                "writes": self.writes,
                 "staged_bytes": self.staged_bytes,
                 "direct_bytes": self.direct_bytes,
                 "staging_wait_s": self.staging_wait_s,
@@ -177,7 +177,7 @@ def summary(records: list[Record]) -> dict[str, Any]:
         "verified": None if any(c is None for c in checked) else all(checked),
         "staged_chunks": sum(r.staged for r in records),
         "direct_chunks": sum(r.direct for r in records),
-        "staged_rounds": sum(r.rounds for r in records),
+        "writes": sum(r.writes for r in records),
         "staging_wait_p99_ms": float(np.percentile(waits, 99) * 1e3),
         "split_p50_ms": {
             stage: float(np.median([split[stage] for split in splits]) * 1e3) for stage in STAGES

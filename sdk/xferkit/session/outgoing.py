@@ -19,9 +19,10 @@ import numpy as np
 
 from ..descriptors import Descriptors
 from ..errors import PlanError, ProtocolError
+from ..planner import Plan
 from ..planner.expand import Layers
 from . import actions as act
-from . import wire
+from . import sends, wire
 from .core import Out, Settings, log, remember, stage_text
 from .layerwise import pool_layers
 from .pairs import Down
@@ -111,10 +112,7 @@ class Outgoing:
             rec.deadline = now + self.s.request_timeout_s
         rec.dst_size = (down.place.tp_size, down.place.pp_size)
         dst = rec.dsts[place] = Dst(down, msg, slots)
-        with self.stager.holding(rec, dst):
-            for chunk, last, layers in rec.chunks:
-                if rec.error is None:
-                    self._write_chunk(rec, dst, chunk, last, layers, now)
+        self._write_chunks(rec, dst, rec.chunks, now)  # those written already go as one
         self._check(rec)
 
     def _early_failure(self, rid: str, error: RequestError) -> None:
@@ -189,7 +187,7 @@ class Outgoing:
         if last and not rec.dsts:  # prefill finished first: hold under a lease
             rec.lease_until = now + self.s.lease_s
         for dst in rec.dsts.values():
-            self._write_chunk(rec, dst, slots, last, layers, now)
+            self._write_chunks(rec, dst, [(slots, last, layers)], now)
             if rec.error is not None:
                 return
         self._check(rec)
@@ -199,24 +197,24 @@ class Outgoing:
         if rec is not None and rec.handle is handle:
             self.fail(rec, "abort", "aborted by the engine")
 
-    def _write_chunk(
-        self, rec: SendRec, dst: Dst, slots: dict[str, np.ndarray], last: bool, layers: Layers,
-        now: float,
-    ) -> None:  # fmt: skip
+    def _write_chunks(self, rec: SendRec, dst: Dst, todo: list[sends.Written], now: float) -> None:
         plan = dst.down.plan
         assert plan is not None
-        mapped = dst.take(slots, last, plan, layers, self.layers)
-        if isinstance(mapped, str):
-            self.fail(rec, "plan", mapped)
+        runs = dst.take_runs(todo, plan, self.layers)
+        if isinstance(runs, str):
+            self.fail(rec, "plan", runs)
             return
-        request, spans = mapped
-        if not dst.needed:
-            return
+        for run in runs:
+            dst.last = dst.last or run.last  # before its writes: they carry the total
+            if rec.error is None and dst.needed:
+                self._write_run(rec, dst, plan, run, now)
+
+    def _write_run(self, rec: SendRec, dst: Dst, plan: Plan, run: sends.Run, now: float) -> None:
+        (request, spans), layers = run.mapped, run.layers
         began = self.s.clock()
         staged = self.stager.chunk(rec, dst, request, spans, layers)
-        chunk = None
         if staged is not None:
-            descs, chunk = staged.direct, staged.chunk
+            descs = staged.direct
             dst.planned += staged.rounds
         else:
             try:
@@ -225,12 +223,12 @@ class Outgoing:
                 self.fail(rec, "plan", f"slots named by {dst.down.where()}: {exc}")
                 return
         rec.timeline.add("plan", began, self.s.clock())
-        rec.counted(descs, None if staged is None else staged.staged_bytes)
+        rec.counted(descs, None if staged is None else staged.staged_bytes, run.chunks)
         # The last chunk's writes announce the total; with none to post, an empty one does.
-        if len(descs) or (last and not self.stager.unposted(dst)):
+        if len(descs) or (run.last and not self.stager.unposted(dst)):
             dst.planned += 1
             self._post(rec, dst, descs, None, now)
-        if chunk is not None:
+        if staged is not None:
             self.stager.pump(rec, dst)
 
     def _post(
@@ -249,7 +247,7 @@ class Outgoing:
         dst.pending[wid] = tag
         dst.down.writes += 1
         rec.descriptors[r is not None] += len(descs)
-        rec.rounds += r is not None
+        rec.writes += 1
         if rec.handle is not None and not rec.transferring:
             rec.transferring = True
             self.out.move(rec.handle, State.TRANSFERRING)

@@ -4,8 +4,9 @@ the staged ``Chunk``s of each."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,6 +53,41 @@ def unpack_slots(slots: dict[str, bytes]) -> dict[str, np.ndarray]:
 
 Mapped = tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, tuple[int, int, int]]]
 """A chunk mapped onto one decode place: the request per pool and its (first, count, sources)."""
+
+
+Spans = tuple[Mapping[str, tuple[np.ndarray, np.ndarray]], Mapping[str, tuple[int, int, int]]]
+
+
+def joined(a: Spans, b: Spans) -> Mapped | None:
+    """Two chunks mapped onto one decode place as one, when ``b``'s spans continue ``a``'s
+    (the decode rank then cuts the same rounds from the joined spans); None otherwise."""
+    (request, spans), (more, after) = a, b
+    if any(p in spans and spans[p][0] + spans[p][1] != at[0] for p, at in after.items()):
+        return None
+    request, spans = dict(request), dict(spans)
+    for pool, (src, dst) in more.items():
+        had = request.get(pool)
+        request[pool] = (src, dst) if had is None else (_cat(had[0], src), _cat(had[1], dst))
+        first, count, sources = spans.get(pool, (after[pool][0], 0, 0))
+        spans[pool] = (first, count + after[pool][1], sources + after[pool][2])
+    return request, spans
+
+
+def _cat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.concatenate((a, b))
+
+
+Written = tuple[dict[str, np.ndarray], bool, Layers]
+"""A chunk as the engine wrote it: its slots per pool, whether it was the last, its layers."""
+
+
+class Run(NamedTuple):
+    """Chunks mapped onto one decode place to go as one: ``chunks`` of them, joined."""
+
+    mapped: Mapped
+    last: bool
+    layers: Layers
+    chunks: int
 
 
 class Span:
@@ -180,8 +216,28 @@ class Dst:
                     f"the last chunk leaves {self.slots[p].size - self.cursor[p]} "
                     f"destination slots of pool {p!r} of {self.down.where()} unwritten"
                 )
-            self.last = True
         return request, spans
+
+    def take_runs(
+        self, chunks: Iterable[Written], plan: Plan, every: Mapping[str, frozenset[int]]
+    ) -> list[Run] | str:
+        """Map chunks in order (``take``, each checked as it was written), joining each
+        without layers to the run before it where it continues that run: the chunks an engine
+        wrote before this decode rank asked go as one. Why not, if one cannot be mapped.
+        The caller marks the place ``last`` as it writes the last run (its writes carry the
+        total), not before."""
+        runs: list[Run] = []
+        for slots, last, layers in chunks:
+            mapped = self.take(slots, last, plan, layers, every)
+            if isinstance(mapped, str):
+                return mapped
+            run = runs[-1] if runs and layers is None and runs[-1].layers is None else None
+            both = None if run is None else joined(run.mapped, mapped)
+            if run is not None and both is not None:
+                runs[-1] = Run(both, last, None, run.chunks + 1)
+            else:
+                runs.append(Run(mapped, last, layers, 1))
+        return runs
 
     def _skipping(self, pool: str, pages: tuple[int, int]) -> int | str:
         """Source slots of ``pool`` still to drop for the destination slots held there, or
@@ -222,7 +278,7 @@ class SendRec:
         self.transferring = False  # its handle was told so (once: a move per write cost)
         self.dsts: dict[tuple[int, int], Dst] = {}  # (pipeline stage, TP rank) -> its part
         self.dst_size: tuple[int, int] | None = None  # decode (TP size, pipeline stages)
-        self.chunks: list[tuple[dict[str, np.ndarray], bool, Layers]] = []
+        self.chunks: list[Written] = []
         self.last = False
         self.deadline = deadline
         self.lease_until: float | None = None  # set while written, held and unclaimed
@@ -235,7 +291,7 @@ class SendRec:
         self.staged = self.direct = 0  # its chunks (per decode place) by route
         self.staged_bytes = self.direct_bytes = 0
         self.descriptors = [0, 0]  # posted: direct, staged
-        self.rounds = 0  # staged writes posted
+        self.writes = 0  # posted
         self.timeline = Timeline()
 
     @property
@@ -243,17 +299,17 @@ class SendRec:
         peers = tuple(sorted({d.down.place.address for d in self.dsts.values()}))
         return Routes(
             self.staged, self.direct, self.staging_wait_s, self.staged_bytes, self.direct_bytes,
-            self.descriptors[1], self.descriptors[0], peers, self.rounds,
+            self.descriptors[1], self.descriptors[0], peers, self.writes,
         )  # fmt: skip
 
-    def counted(self, direct: Descriptors, staged_bytes: int | None) -> None:
-        """Count a chunk by its route: what it writes direct, and through staging (None: it
-        went direct)."""
+    def counted(self, direct: Descriptors, staged_bytes: int | None, chunks: int = 1) -> None:
+        """Count ``chunks`` (joined) by their route: what they write direct, and through
+        staging (None: they went direct)."""
         self.direct_bytes += direct.total_bytes
         if staged_bytes is None:
-            self.direct += 1
+            self.direct += chunks
             return
-        self.staged += 1
+        self.staged += chunks
         self.staged_bytes += staged_bytes
 
     @property

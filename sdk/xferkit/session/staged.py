@@ -17,9 +17,8 @@ cut, pack, write, notification, unpack) was the load's bound.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -31,25 +30,20 @@ from ..staging import StagedPlan, StagedRequest
 from . import wire
 from .core import Settings, log
 from .rounds import Outbound, Runner, aligned
-from .sends import Chunk, Dst, SendRec
+from .sends import Chunk, Dst, SendRec, joined
 
 
 class Planned(NamedTuple):
-    """A chunk as the stager planned it: what it writes direct, the staged chunk that carries
-    the rest (one it joined, or its own), and the rounds and staging bytes that added."""
+    """A chunk as the stager planned it: what it writes direct, and the rounds and staging
+    bytes it added (to a chunk it joined, or its own)."""
 
     direct: Descriptors
-    chunk: Chunk
     rounds: int
     staged_bytes: int
 
 
 def _bytes(req: StagedRequest) -> int:
     return sum(max(r.src_bytes, r.dst_bytes) for r in req.rounds)
-
-
-def _cat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.concatenate((a, b))
 
 
 PostRound = Callable[[SendRec, Dst, Descriptors, wire.Round], None]
@@ -64,7 +58,6 @@ class Stager:
     ) -> None:
         self.s, self._post, self._fail, self._clock = s, post, fail, clock
         self._waiting: deque[tuple[SendRec, Dst, Chunk]] = deque()  # for a piece, oldest first
-        self._holding: Dst | None = None  # its chunks are planned, not started (``holding``)
 
     def _runner(self, rid: str) -> Runner | None:
         run = self.s.runner
@@ -100,7 +93,7 @@ class Stager:
         dst.chunks += 1
         dst.staged[chunk.index] = chunk
         self._needs(rec, dst, chunk)
-        return Planned(req.direct, chunk, len(req.rounds), _bytes(req))
+        return Planned(req.direct, len(req.rounds), _bytes(req))
 
     def _cut(
         self,
@@ -132,8 +125,6 @@ class Stager:
         if need and not waiting:
             chunk.waiting_since = self._clock()
             self._waiting.append((rec, dst, chunk))
-            if dst is self._holding:
-                return
             for r, d in self._serve():
                 if d is not dst:  # the caller pumps this one
                     self.pump(r, d)
@@ -160,16 +151,12 @@ class Stager:
             or prev.slice
             or prev.out.next
             or prev.out.packing is not None
-            or any(p in prev.at and sum(prev.at[p][:2]) != a[0] for p, a in at.items())
         ):
             return None
-        both = dict(prev.request)
-        spans = dict(prev.at)
-        for pool, (src, dsts) in request.items():
-            had = both.get(pool)
-            both[pool] = (src, dsts) if had is None else (_cat(had[0], src), _cat(had[1], dsts))
-            first, count, sources = spans.get(pool, (at[pool][0], 0, 0))
-            spans[pool] = (first, count + at[pool][1], sources + at[pool][2])
+        mapped = joined((prev.request, prev.at), (request, at))
+        if mapped is None:
+            return None
+        both, spans = mapped
         staged = dst.down.staged
         assert staged is not None
         try:
@@ -181,22 +168,7 @@ class Stager:
         prev.out = self._outbound(rec, dst, req, staged.packs(both))
         prev.request, prev.at = both, spans
         self._needs(rec, dst, prev)
-        return Planned(direct, prev, len(req.rounds) - rounds, _bytes(req) - before)
-
-    @contextlib.contextmanager
-    def holding(self, rec: SendRec, dst: Dst) -> Iterator[None]:
-        """Plan ``dst``'s chunks without starting any, then start them: a decode rank whose
-        ``Request`` finds a request's chunks written already (it waited for its own staging,
-        as under load) gets them joined into one, as if the engine had written one."""
-        self._holding = dst
-        try:
-            yield
-        finally:
-            self._holding = None
-        for r, d in self._serve():
-            if d is not dst:
-                self.pump(r, d)
-        self.pump(rec, dst)
+        return Planned(direct, len(req.rounds) - rounds, _bytes(req) - before)
 
     def _serve(self) -> list[tuple[SendRec, Dst]]:
         """Give pieces to waiting chunks, oldest first, while they fit; their sends."""
@@ -229,8 +201,6 @@ class Stager:
         already done made a request of many chunks (layer-wise, long chunked prefills)
         quadratic on the control thread. Once the decode rank's next half is taken, the
         chunks queued behind it for one are passed over at the cost of a check."""
-        if dst is self._holding:  # its chunks start together, once planned
-            return
         if dst.down.lost:  # nothing more to a lost rank: this request is about to fail too
             return  # (losing a paused rank fails its requests in turn; one's staging given
             # back wakes another's waiting chunk here, before that one's turn came)

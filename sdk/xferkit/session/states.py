@@ -33,8 +33,8 @@ class Routes(msgspec.Struct, frozen=True):
     descriptors that need no gathering go direct), ``staged_descriptors`` and
     ``direct_descriptors`` the wire descriptors its writes posted each way (a staged
     round's copies after joining), ``peers`` the session addresses of the ranks it moved
-    data with, ``staged_rounds`` the staged writes it posted (a round each; chunks that
-    waited together are joined, so several chunks may share rounds). On the decode side
+    data with, ``writes`` the writes it posted (direct ones, and a staged chunk's rounds;
+    chunks that queued together are joined and share them). On the decode side
     the counts, bytes and descriptors are 0: the routes are the prefill rank's choice.
     Nothing is retried: a write that fails fails its request."""
 
@@ -46,7 +46,7 @@ class Routes(msgspec.Struct, frozen=True):
     staged_descriptors: int = 0
     direct_descriptors: int = 0
     peers: tuple[str, ...] = ()
-    staged_rounds: int = 0
+    writes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
