@@ -4,7 +4,7 @@ the staged ``Chunk``s of each."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -58,23 +58,21 @@ Mapped = tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, tuple[int, in
 Spans = tuple[Mapping[str, tuple[np.ndarray, np.ndarray]], Mapping[str, tuple[int, int, int]]]
 
 
-def joined(a: Spans, b: Spans) -> Mapped | None:
-    """Two chunks mapped onto one decode place as one, when ``b``'s spans continue ``a``'s
-    (the decode rank then cuts the same rounds from the joined spans); None otherwise."""
-    (request, spans), (more, after) = a, b
-    if any(p in spans and spans[p][0] + spans[p][1] != at[0] for p, at in after.items()):
-        return None
-    request, spans = dict(request), dict(spans)
-    for pool, (src, dst) in more.items():
-        had = request.get(pool)
-        request[pool] = (src, dst) if had is None else (_cat(had[0], src), _cat(had[1], dst))
-        first, count, sources = spans.get(pool, (after[pool][0], 0, 0))
-        spans[pool] = (first, count + after[pool][1], sources + after[pool][2])
+def joined(parts: Sequence[Spans]) -> Mapped | None:
+    """Chunks mapped onto one decode place as one (the decode rank cuts the same rounds from
+    the joined spans), when each one's spans continue those before it; None otherwise."""
+    spans: dict[str, tuple[int, int, int]] = {}
+    for _, at in parts:
+        for pool, (first, count, sources) in at.items():
+            had = spans.get(pool, (first, 0, 0))
+            if had[0] + had[1] != first:
+                return None
+            spans[pool] = (had[0], had[1] + count, had[2] + sources)
+    request: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for pool in spans:
+        src, dst = zip(*(r[pool] for r, _ in parts if pool in r), strict=True)
+        request[pool] = (np.concatenate(src), np.concatenate(dst))
     return request, spans
-
-
-def _cat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.concatenate((a, b))
 
 
 Written = tuple[dict[str, np.ndarray], bool, Layers]
@@ -221,22 +219,26 @@ class Dst:
     def take_runs(
         self, chunks: Iterable[Written], plan: Plan, every: Mapping[str, frozenset[int]]
     ) -> list[Run] | str:
-        """Map chunks in order (``take``, each checked as it was written), joining each
-        without layers to the run before it where it continues that run: the chunks an engine
-        wrote before this decode rank asked go as one. Why not, if one cannot be mapped.
-        The caller marks the place ``last`` as it writes the last run (its writes carry the
-        total), not before."""
-        runs: list[Run] = []
+        """Map chunks in order (``take``: each checked as written), joining runs of them without
+        layers: those an engine wrote before this decode rank asked go as one. Why not, if one
+        cannot be. The caller marks the place ``last`` as it writes the last run, not before."""
+        groups: list[tuple[list[Mapped], bool, Layers]] = []
         for slots, last, layers in chunks:
             mapped = self.take(slots, last, plan, layers, every)
             if isinstance(mapped, str):
                 return mapped
-            run = runs[-1] if runs and layers is None and runs[-1].layers is None else None
-            both = None if run is None else joined(run.mapped, mapped)
-            if run is not None and both is not None:
-                runs[-1] = Run(both, last, None, run.chunks + 1)
+            if groups and layers is None and groups[-1][2] is None:
+                groups[-1][0].append(mapped)
+                groups[-1] = (groups[-1][0], last, None)
             else:
-                runs.append(Run(mapped, last, layers, 1))
+                groups.append(([mapped], last, layers))
+        runs = []
+        for parts, last, layers in groups:
+            both = joined(parts) if len(parts) > 1 else parts[0]
+            if both is not None:
+                runs.append(Run(both, last, layers, len(parts)))
+            else:  # spans that do not follow on (not seen): one by one
+                runs += [Run(m, last and m is parts[-1], layers, 1) for m in parts]
         return runs
 
     def _skipping(self, pool: str, pages: tuple[int, int]) -> int | str:

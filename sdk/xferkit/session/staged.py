@@ -151,9 +151,11 @@ class Stager:
             or prev.slice
             or prev.out.next
             or prev.out.packing is not None
+            or prev.out.rounds > 2  # past both halves: cut again for every chunk that
+            # joins, it would cost the square of a long chunked prefill's chunks
         ):
             return None
-        mapped = joined((prev.request, prev.at), (request, at))
+        mapped = joined([(prev.request, prev.at), (request, at)])
         if mapped is None:
             return None
         both, spans = mapped
