@@ -235,10 +235,8 @@ class Dst:
         runs = []
         for parts, last, layers in groups:
             both = joined(parts) if len(parts) > 1 else parts[0]
-            if both is not None:
-                runs.append(Run(both, last, layers, len(parts)))
-            else:  # spans that do not follow on (not seen): one by one
-                runs += [Run(m, last and m is parts[-1], layers, 1) for m in parts]
+            assert both is not None  # ``take`` moved each pool's cursor: each follows on
+            runs.append(Run(both, last, layers, len(parts)))
         return runs
 
     def _skipping(self, pool: str, pages: tuple[int, int]) -> int | str:
