@@ -10,10 +10,17 @@ completion. Best of ``--repeat``, the cases alternating so drift hits them
 alike. Staged cases run with ``staging="auto"`` (the cost model picks the
 route from the driver's ``descriptor_bytes``), direct ones with "never".
 
-Also measured per driver: the cost of one wire descriptor (many 64-byte
-descriptors against one large one), as the bytes it could have moved: what
-``Capabilities.descriptor_bytes`` declares; and the large-copy bandwidth over
-the copier's (packing one head of each row of pages in random order): ``Capabilities.copy_cost``.
+Route efficiency (``/ 1 desc``): each case's GB/s over that of a request of the same
+size whose one region holds it in one slot (one descriptor), through the same Sessions,
+in the same rounds.
+
+Also measured per driver, raw (no Session), into a peer process: the cost of one wire
+descriptor (many 64-byte descriptors against one large one), as the bytes it could have
+moved: what ``Capabilities.descriptor_bytes`` declares; the large-copy bandwidth over the
+copier's (packing one head of each row of pages in random order): ``Capabilities.copy_cost``;
+and the driver's own ceiling for a paged request (``paged / 1 desc``: 16 MiB as 16 KiB pages
+at random places, 8 -> 8 NHD's descriptors, against one 16 MiB descriptor), which no
+direct route can pass.
 
 Prints tables and writes benchmarks/results/staging.json.
 """
@@ -41,8 +48,11 @@ DRIVERS: dict[str, dict[str, Any]] = {
     "mooncake": {"protocol": "tcp", "hostname": "127.0.0.1"},
     "nixl": {},
 }
+ONE = "one"
+"""A layout of one region whose one slot holds a whole request: one descriptor moves it."""
 CASES = [  # (label, src TP, dst TP, src layout / page, dst layout / page, staging)
     ("8 -> 8 NHD", 8, 8, ("NHD", PAGE), ("NHD", PAGE), "never"),
+    ("8 -> 8 NHD auto", 8, 8, ("NHD", PAGE), ("NHD", PAGE), "auto"),
     ("4 -> 8 HND", 4, 8, ("HND", PAGE), ("HND", PAGE), "never"),
     ("4 -> 8 NHD direct", 4, 8, ("NHD", PAGE), ("NHD", PAGE), "never"),
     ("4 -> 8 NHD staged", 4, 8, ("NHD", PAGE), ("NHD", PAGE), "auto"),
@@ -62,10 +72,28 @@ VIEWS = [  # layouts no contiguous-byte plan moves cheaply: --views
 ]
 
 
+BASELINES = {  # the one-descriptor request of each size the cases move (by decode TP)
+    tp: (f"one descriptor, TP {tp}", tp, tp, (ONE, 0), (ONE, 0), "never") for tp in (8, 4)
+}
+
+
 def manifest(
     view: tuple[str, int], tp: int, rank: int, layers: int, tokens: int
 ) -> tuple[xk.Manifest, list[np.ndarray]]:
     layout, page = view
+    if layout == ONE:  # two slots, each the bytes a decode rank of TP ``tp`` gets
+        size = layers * 2 * (tokens // 2) * (HEADS // tp) * DIM * BF16
+        a = np.random.default_rng(rank).integers(0, 256, 2 * size, dtype=np.uint8)
+        region = xk.Region(
+            pool="kv",
+            name="k",
+            layer=0,
+            addr=a.ctypes.data,
+            nbytes=a.nbytes,
+            slot_shape=(size,),
+            itemsize=1,
+        )
+        return xk.Manifest.build([region]), [a]
     return kv_manifest(layout, tp, rank, layers, tokens // page, seed=rank, page=page)
 
 
@@ -115,7 +143,9 @@ class Case:
             self.conns.append(conn)
             self.procs.append(p)
         self.sources = [c.recv() for c in self.conns]
-        self.src_pages, self.dst_pages = a.tokens // src_view[1], a.tokens // dst_view[1]
+        self.src_pages, self.dst_pages = (
+            a.tokens // (v[1] or a.tokens) for v in (src_view, dst_view)
+        )
         self.bytes = a.layers * 2 * a.tokens * (HEADS // dst_tp) * DIM * BF16
         self.rng = np.random.default_rng(7)
         self.n = 0
@@ -177,36 +207,62 @@ def _write(b: xk.Backend, peer: xk.Peer, d: xk.Descriptors) -> None:
     b.write(peer, d).wait(600)
 
 
+def target(conn: Connection) -> None:
+    """The raw writes' destination, in a process of its own as a peer's memory is (the
+    loopback copies within a process with memcpy, across them with process_vm_writev)."""
+    driver, size = conn.recv()
+    dst = np.zeros(size, dtype=np.uint8)
+    b = xk.open_backend(driver, **DRIVERS[driver])
+    m = xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="d", layer=0)])
+    b.register(m)
+    conn.send((b.endpoint(), m, dst.ctypes.data))
+    conn.recv()
+    b.close()
+
+
 def descriptor_cost(driver: str) -> dict[str, Any]:
-    """Seconds per 64-byte descriptor and bytes/s of one large one: their product."""
+    """Seconds per 64-byte descriptor and bytes/s of one large one: their product. And the
+    driver's own ceiling for a paged request: 16 MiB as 16 KiB pages at random places (8 -> 8
+    NHD's descriptors) against one 16 MiB descriptor."""
     big, small, n = 64 << 20, 64, 16384
-    src, dst = np.ones(big, dtype=np.uint8), np.zeros(big, dtype=np.uint8)
-    a, b = xk.open_backend(driver, **DRIVERS[driver]), xk.open_backend(driver, **DRIVERS[driver])
+    page, pages = 16 << 10, 1024
+    src = np.ones(big, dtype=np.uint8)
+    conn, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=target, args=(child,), daemon=True)
+    proc.start()
+    conn.send((driver, big))
+    endpoint, dm, dst_addr = conn.recv()
+    a = xk.open_backend(driver, **DRIVERS[driver])
     try:
         a.register(xk.Manifest.build([xk.Region.from_array(src, pool="p", name="s", layer=0)]))
-        dm = xk.Manifest.build([xk.Region.from_array(dst, pool="p", name="d", layer=0)])
-        b.register(dm)
-        peer = a.connect(b.endpoint(), dm)
-        s0, d0 = np.uint64(src.ctypes.data), np.uint64(dst.ctypes.data)
+        peer = a.connect(endpoint, dm)
+        s0, d0 = np.uint64(src.ctypes.data), np.uint64(dst_addr)
         step = np.arange(n, dtype=np.uint64) * np.uint64(4096)  # one per page: nothing merges
         many = xk.Descriptors(s0 + step, d0 + step[::-1], np.full(n, small, np.uint64))
         one = xk.Descriptors(np.array([s0]), np.array([d0]), np.array([big], np.uint64))
-        t_many: list[float] = []
-        t_one: list[float] = []
-        for _ in range(5):  # alternating, so drift hits both alike
-            t_many += timed(functools.partial(_write, a, peer, many))
-            t_one += timed(functools.partial(_write, a, peer, one))
+        rng = np.random.default_rng(3)
+        at = [
+            rng.permutation(big // page)[:pages].astype(np.uint64) * np.uint64(page) for _ in "sd"
+        ]
+        paged = xk.Descriptors(s0 + at[0], d0 + at[1], np.full(pages, page, np.uint64))
+        whole = xk.Descriptors(np.array([s0]), np.array([d0]), np.array([page * pages], np.uint64))
+        t: dict[str, list[float]] = {"many": [], "one": [], "paged": [], "whole": []}
+        for _ in range(5):  # alternating, so drift hits all alike
+            for key, d in (("many", many), ("one", one), ("paged", paged), ("whole", whole)):
+                t[key] += timed(functools.partial(_write, a, peer, d))
     finally:
         a.close()
-        b.close()
-    per_desc = min(t_many) / n
-    bw = big / min(t_one)
+        conn.send("quit")
+        proc.join(30)
+    per_desc = min(t["many"]) / n
+    bw = big / min(t["one"])
     # The copier packing what a 4 -> 8 NHD request packs: of each page (64 rows of two heads,
     # 512 bytes a row) the first head's 256 bytes, pages in random order.
-    pages = np.random.default_rng(0).permutation(big // (64 * 512)).astype(np.uint64)
-    rows = (pages[:, None] * np.uint64(64) + np.arange(64, dtype=np.uint64)[None, :]).ravel()
+    order = np.random.default_rng(0).permutation(big // (64 * 512)).astype(np.uint64)
+    rows = (order[:, None] * np.uint64(64) + np.arange(64, dtype=np.uint64)[None, :]).ravel()
     out = np.arange(rows.size, dtype=np.uint64) * np.uint64(256)
-    pack = (s0 + rows * np.uint64(512), d0 + out, np.full(rows.size, 256, np.uint64))
+    into = np.empty(big // 2, dtype=np.uint8)
+    pack = (s0 + rows * np.uint64(512), into.ctypes.data + out, np.full(rows.size, 256, np.uint64))
     copy_bw = big / 2 / timed(functools.partial(copy_pieces, *pack), 5).best
     return {
         "driver": driver,
@@ -215,6 +271,9 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
         "descriptor_bytes": int(per_desc * bw),
         "copier_gbps": copy_bw / 1e9,
         "copy_cost": bw / copy_bw,
+        "gbps_paged": page * pages / min(t["paged"]) / 1e9,
+        "gbps_whole": page * pages / min(t["whole"]) / 1e9,
+        "paged_vs_one": min(t["whole"]) / min(t["paged"]),
     }
 
 
@@ -225,12 +284,16 @@ COSTS = [
     Column("descriptor_bytes", "descriptor_bytes", width=18),
     Column("copier GB/s", "copier_gbps", ".2f", 13),
     Column("copy_cost", "copy_cost", ".2f", 11),
+    Column("GB/s paged", "gbps_paged", ".2f", 12),
+    Column("GB/s 1 desc", "gbps_whole", ".2f", 13),
+    Column("paged / 1 desc", "paged_vs_one", ".2f", 16),
 ]
 SPEEDS = [
     Column("driver", "driver", width=10, left=True),
     Column("case", "case", width=26, left=True),
     Column("GB/s", "gbps", ".2f", 7),
     Column("/ 8->8", "vs_equal", ".2f", 8),
+    Column("/ 1 desc", "vs_one", ".2f", 10),
     Column("  route", lambda r: "  " + ",".join(r["routes"]), left=True),
 ]
 
@@ -257,6 +320,8 @@ def main() -> None:
     if a.only:
         # The first case is the equal-TP baseline every ratio is taken against: always kept.
         chosen = chosen[:1] + [c for c in chosen[1:] if any(o in c[0] for o in a.only.split(","))]
+    # Route efficiency: each case against one descriptor of its size, in the same rounds.
+    chosen += [BASELINES[tp] for tp in sorted({c[2] for c in chosen})]
     logging.basicConfig(level=logging.ERROR)
     drivers = a.drivers.split(",")
     costs = [descriptor_cost(d) for d in drivers]
@@ -277,7 +342,14 @@ def main() -> None:
             for case in cases:
                 case.close()
         equal = cases[0].bytes / min(runs[0])
-        for case, (label, *_), rs, rt, why in zip(cases, chosen, runs, routes, whys, strict=True):
+        one = {
+            c[2]: case.bytes / min(rs)
+            for c, case, rs in zip(chosen, cases, runs, strict=True)
+            if c[3][0] == ONE
+        }
+        for case, (label, _, dst_tp, *_), rs, rt, why in zip(
+            cases, chosen, runs, routes, whys, strict=True
+        ):
             gbps = case.bytes / min(rs)
             rows.append(
                 {
@@ -288,6 +360,7 @@ def main() -> None:
                     "median_s": statistics.median(rs),
                     "gbps": gbps / 1e9,
                     "vs_equal": gbps / equal,
+                    "vs_one": gbps / one[dst_tp],
                     "routes": rt,
                     "why": why,
                 }
