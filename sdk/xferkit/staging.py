@@ -57,6 +57,22 @@ class Route(NamedTuple):
     why: str
 
 
+class _Local(NamedTuple):
+    """A unit's copies between its slot and its staging block, pieces that follow on both
+    sides joined: a page whose rows lie in order on the slot's side is one copy, not one a
+    row (the unpack of Llama's 16-token NHD pages at TP 2 -> 4: 16 copies of 512 bytes were
+    1.6x slower than one of 8 KiB)."""
+
+    slot: np.ndarray  # offset within the slot
+    block: np.ndarray  # offset within the unit's staging block
+    nbytes: np.ndarray
+
+    @classmethod
+    def of(cls, slot: np.ndarray, nbytes: np.ndarray) -> _Local:
+        """Pieces at ``slot`` offsets, laid end to end in staging in that order."""
+        return cls(*merge_neighbours(slot, _offsets(nbytes), nbytes))
+
+
 class _RoutedGroup(NamedTuple):
     """One group's route and the piece tables its copies need."""
 
@@ -64,7 +80,8 @@ class _RoutedGroup(NamedTuple):
     path: RoutePath
     unit: int  # bytes per (region, slot pair)
     pieces: Pieces  # sorted by destination (pack, both) or by source (unpack)
-    at: np.ndarray  # (P,) uint64 offset of each piece within a unit's staging block
+    packs: _Local  # the source's slot -> staging copies of a unit
+    unpacks: _Local  # the destination's staging -> slot copies of a unit
 
     @property
     def src_side(self) -> bool:
@@ -380,12 +397,12 @@ def _expand_part(
     none = Descriptors.empty()
     p = s.pieces
 
-    def scatter(base: np.ndarray, offsets: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Per unit and piece: (slot address + piece offset, staging + piece's staging offset)."""
+    def scatter(base: np.ndarray, local: _Local, stage: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per unit and copy: (slot address + its offset, staging + its offset in the block)."""
         return (
-            (base[:, None] + offsets[None, :]).ravel(),
-            (stage[:, None] + s.at[None, :]).ravel(),
-            np.repeat(p.nbytes[None, :], units.size, axis=0).ravel(),  # np.tile, in one C call
+            (base[:, None] + local.slot[None, :]).ravel(),
+            (stage[:, None] + local.block[None, :]).ravel(),
+            np.repeat(local.nbytes[None, :], units.size, axis=0).ravel(),  # np.tile, one C call
         )
 
     def src_slot() -> np.ndarray:
@@ -402,24 +419,24 @@ def _expand_part(
     pack = wire = unpacked = none
     if s.path == "pack":
         if send:
-            a, b, ln = scatter(src_slot(), p.src, src_block)
+            a, b, ln = scatter(src_slot(), s.packs, src_block)
             pack = Descriptors(a, b, ln)
             wire = Descriptors(src_block, dst_slot() + p.dst[0], unit())
     elif s.path == "unpack":
         if send:
             wire = Descriptors(src_slot() + p.src[0], dst_block, unit())
         if unpack:
-            a, b, ln = scatter(dst_slot(), p.dst, dst_block)
+            a, b, ln = scatter(dst_slot(), s.unpacks, dst_block)
             unpacked = Descriptors(b, a, ln)
     else:
         if send:
-            a, b, ln = scatter(src_slot(), p.src, src_block)
+            a, b, ln = scatter(src_slot(), s.packs, src_block)
             # Consecutive blocks on both sides: the part's wire copies join into one.
             size = np.uint64(units.size * s.unit)
             wire = Descriptors(src_block[:1], dst_block[:1], np.full(1, size, dtype=np.uint64))
             pack = Descriptors(a, b, ln)
         if unpack:
-            c, d, ln = scatter(dst_slot(), p.dst, dst_block)
+            c, d, ln = scatter(dst_slot(), s.unpacks, dst_block)
             unpacked = Descriptors(d, c, ln)
     return RoundCopies(pack, wire, unpacked)
 
@@ -450,8 +467,7 @@ def stage(
     groups, routes = [], {}
     for g in plan.groups:
         route, pieces = _choose(g, descriptor_bytes, float(copy_cost), force)
-        groups.append(
-            _RoutedGroup(g, route.path, int(pieces.nbytes.sum()), pieces, _offsets(pieces.nbytes))
-        )
+        packs, unpacks = (_Local.of(at, pieces.nbytes) for at in (pieces.src, pieces.dst))
+        groups.append(_RoutedGroup(g, route.path, int(pieces.nbytes.sum()), pieces, packs, unpacks))
         routes.update(dict.fromkeys(g.keys, route))
     return StagedPlan(plan, groups, routes)
