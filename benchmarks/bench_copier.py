@@ -5,11 +5,12 @@ of a 128 MiB buffer's rows (256-byte rows: a page's heads; 16-byte rows: the
 worst case for per-piece cost) into a packed staging buffer (pack) or back
 (unpack): every other row (the NHD 4->8 shape, a constant stride), a random
 half in order (pages scattered through a pool), or a random half in random
-order on both sides (general). Beside each: ``np.copyto`` of the every-other-row
-strided view (what a copier that knew the layout could do), the torch copier
-on the same host memory (``copier_for("cpu", using="torch")``: the code a GPU's
-staging runs, here on the CPU) and one memcpy of as many bytes (the ceiling),
-measured in the same run.
+order on both sides (general); and staging unpacked into 8 KiB pages at random
+places, a 512-byte row at a time or a page at a time (``pages``). Beside each:
+``np.copyto`` of the every-other-row strided view (what a copier that knew the
+layout could do), the torch copier on the same host memory
+(``copier_for("cpu", using="torch")``: the code a GPU's staging runs, here on
+the CPU) and one memcpy of as many bytes (the ceiling), measured in the same run.
 Run: `python benchmarks/bench_copier.py`.
 """
 
@@ -26,6 +27,7 @@ from report import Column, script, timed
 from xferkit.copier import copier_for, copy_pieces
 
 MIB = 1 << 20
+PAGE = 8 << 10
 
 
 def _addr(a: np.ndarray) -> int:
@@ -74,27 +76,41 @@ def run(size_mib: int, repeat: int) -> list[dict[str, Any]]:
         ctypes.memmove(_addr(stage), _addr(other), half)
 
     torch_copier = copier_for("cpu", using="torch")  # needs the torch extra
+
+    def row(case: str, pattern: str, args: tuple, strided: Callable[[], object] | None) -> dict:
+        copier = timed(functools.partial(copy_pieces, *args), repeat, warm=True)
+        torch = timed(functools.partial(torch_copier.copy, *args), repeat, warm=True)
+        copyto = timed(strided, repeat, warm=True).median if strided else float("nan")
+        return {
+            "case": case,
+            "pattern": pattern,
+            "pieces": len(args[2]),
+            "bytes": half,
+            "copier_gbps": half / copier.median / 1e9,
+            "copier_best_gbps": half / copier.best / 1e9,
+            "torch_gbps": half / torch.median / 1e9,
+            "copyto_strided_gbps": half / copyto / 1e9,
+            "memcpy_gbps": half / timed(memcpy, repeat, warm=True).median / 1e9,
+            "copier_ms": copier.median * 1e3,
+        }
+
     rows = []
     for length in (256, 16):
         for direction, pattern in CASES:
             (pool, packed, nbytes), strided = _case(rng, big, stage, length, pattern)
             args = (packed, pool, nbytes) if direction == "unpack" else (pool, packed, nbytes)
-            copier = timed(functools.partial(copy_pieces, *args), repeat, warm=True)
-            torch = timed(functools.partial(torch_copier.copy, *args), repeat, warm=True)
-            rows.append(
-                {
-                    "case": f"{direction} {length} B",
-                    "pattern": pattern,
-                    "pieces": len(nbytes),
-                    "bytes": half,
-                    "copier_gbps": half / copier.median / 1e9,
-                    "copier_best_gbps": half / copier.best / 1e9,
-                    "torch_gbps": half / torch.median / 1e9,
-                    "copyto_strided_gbps": half / timed(strided, repeat, warm=True).median / 1e9,
-                    "memcpy_gbps": half / timed(memcpy, repeat, warm=True).median / 1e9,
-                    "copier_ms": copier.median * 1e3,
-                }
-            )
+            rows.append(row(f"{direction} {length} B", pattern, args, strided))
+    # Staging into 8 KiB pages scattered through the pool (Llama's 16-token NHD pages at
+    # decode TP 4): a row (two heads, 512 bytes) at a time, as the planner cut it before it
+    # joined the pieces that follow on both sides, and a page at a time, as it does now.
+    pages = rng.permutation(big.size // PAGE)[: half // PAGE].astype(np.uint64)
+    at = np.uint64(_addr(big)) + pages * np.uint64(PAGE)
+    for length in (512, PAGE):
+        per = PAGE // length
+        dst = (at[:, None] + np.arange(per, dtype=np.uint64)[None, :] * np.uint64(length)).ravel()
+        src = np.uint64(_addr(stage)) + np.arange(dst.size, dtype=np.uint64) * np.uint64(length)
+        args = (src, dst, np.full(dst.size, length, dtype=np.uint64))
+        rows.append(row(f"unpack {length} B", "pages", args, None))
     return rows
 
 
