@@ -227,8 +227,9 @@ def descriptor_cost(driver: str) -> dict[str, Any]:
     big, small, n = 64 << 20, 64, 16384
     page, pages = 16 << 10, 1024
     src = np.ones(big, dtype=np.uint8)
-    conn, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=target, args=(child,), daemon=True)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,), daemon=True)
     proc.start()
     conn.send((driver, big))
     endpoint, dm, dst_addr = conn.recv()
