@@ -50,8 +50,12 @@ from .notices import Mailbox, socket_name, unreachable
 _LIVE: weakref.WeakValueDictionary[str, LoopbackDriver] = weakref.WeakValueDictionary()
 
 
-DESCRIPTOR_BYTES = 1024
-"""A descriptor costs about 0.1 us at 12 GB/s in one process (benchmarks/bench_staging.py)."""
+DESCRIPTOR_BYTES = 6000
+"""A descriptor costs about 0.5-0.7 us at 8-9 GB/s across processes (process_vm_writev pins
+each iovec's pages), where Sessions run: 5,400-6,400 bytes (benchmarks/bench_staging.py).
+Within one process (memcpy) it costs 0.1 us, 1,024 bytes; declared at that, the
+engine-shaped load's TP 2 -> 4 chunks went direct, one 512-byte descriptor per token row, at
+0.86 GB/s quiet and 0.61 busy, against 1.01 and 0.88 staged (docs/performance.md)."""
 COPY_COST = 2.0
 """Its large copies run at 2x the copier's strided pack (benchmarks/bench_staging.py)."""
 
