@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ...copier import CPU
 from ...descriptors import Descriptors
 
@@ -80,5 +82,12 @@ class Packs:
         bad = rank.memory.foreign(d.src[read], d.nbytes[read], serial)
         if bad is not None:
             w.check.violate(1, f"a pack of {pack.rid!r} on {rank.name} read its {bad}")
-        CPU.copy(d.src, d.dst, d.nbytes)
+        lo, hi = rank.memory.staged_at
+        out = np.flatnonzero((d.dst < lo) | (d.dst + d.nbytes > hi))
+        if out.size:
+            at, n = int(d.dst[out[0]]) - lo, int(d.nbytes[out[0]])
+            w.check.violate(1, f"a pack of {pack.rid!r} on {rank.name} wrote outside its "
+                            f"staging: at +{at} (+{n}), staging {hi - lo} bytes")  # fmt: skip
+        if bad is None and not out.size:  # a bad copy is reported, never made: it could crash
+            CPU.copy(d.src, d.dst, d.nbytes)
         pack.ended, pack.ended_at = True, rank.local(w.now)
