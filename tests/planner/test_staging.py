@@ -183,20 +183,11 @@ def test_equal_tp_on_each_drivers_declared_costs(driver: str, tokens: int, path:
     """Llama-70B KV pages (per rank 4 of 8 heads of 128, bf16) at equal TP, priced with what
     each driver declares: on Mooncake over TCP, small pages go staged (it moved equal TP on
     16 KiB pages at 0.59 GB/s against 1.22 GB/s for a staged request of the same size)."""
-    import xferkit as xk
-
     specs = [
         RegionSpec(pool="kv", name=n, layer=0, shape=(tokens, 8, 128), tp_axis=1) for n in "kv"
     ]
     ref = Reference(specs, src_tp=2, dst_tp=2, src_slots={"kv": 4}, dst_slots={"kv": 4})
-    with xk.open_backend(driver) as b:
-        caps = b.capabilities
-    p = stage(
-        plan(ref.srcs[0].manifest, ref.dsts[0].manifest),
-        descriptor_bytes=caps.descriptor_bytes,
-        copy_cost=caps.copy_cost,
-    )
-    assert {r.path for r in p.routes.values()} == {path}
+    assert _declared_paths(ref, driver) == {path}
 
 
 def test_a_request_four_times_the_staging_runs_in_rounds_within_it() -> None:
@@ -340,10 +331,15 @@ def test_heterogeneous_nhd_on_each_drivers_declared_costs(driver: str, path: str
     page gathers 16 rows of 512 bytes. Every driver stages them. The loopback declared its
     cost within one process (1,024), and sent them direct, one descriptor a row: under the
     load 0.86-0.98 GB/s, against 1.01-1.18 staged (docs/performance.md)."""
-    import xferkit as xk
-
     specs = [RegionSpec(pool="kv", name=n, layer=0, shape=(16, 8, 128), tp_axis=1) for n in "kv"]
     ref = Reference(specs, src_tp=2, dst_tp=4, src_slots={"kv": 4}, dst_slots={"kv": 4})
+    assert _declared_paths(ref, driver) == {path}
+
+
+def _declared_paths(ref: Reference, driver: str) -> set[str]:
+    """The routes rank 0's pair takes on what ``driver`` declares."""
+    import xferkit as xk
+
     with xk.open_backend(driver) as b:
         caps = b.capabilities
     p = stage(
@@ -351,4 +347,4 @@ def test_heterogeneous_nhd_on_each_drivers_declared_costs(driver: str, path: str
         descriptor_bytes=caps.descriptor_bytes,
         copy_cost=caps.copy_cost,
     )
-    assert {r.path for r in p.routes.values()} == {path}
+    return {r.path for r in p.routes.values()}
