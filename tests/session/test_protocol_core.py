@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import msgspec
+import pytest
 from core_harness import SLOTS, Handle, Net, Write, endpoint
 from core_harness import settings as core_settings
 from hypothesis import HealthCheck, given, settings
@@ -728,3 +729,45 @@ def test_a_completion_before_the_request_asked_its_source_is_dropped() -> None:
         assert h.state is State.DONE
         assert h.states == sorted(h.states)  # forward only: WAITING before TRANSFERRING
         assert State.WAITING in h.states
+
+
+@pytest.mark.parametrize("polls", [True, False])
+def test_a_source_pokes_a_decode_rank_that_polls_its_notifications_as_each_write_ends(
+    polls: bool,
+) -> None:
+    """A decode rank whose driver has no descriptor to wait on (NIXL) read a notification only
+    at its next poll, up to ``shell.POLL_S`` later; its Hello now asks for a ``Poke`` as each
+    write to it ends, whose arrival wakes it then (one-page NIXL requests: 0.6-0.9 ms sooner).
+    Before, no Poke was ever sent. A rank that can wait on its driver asks for none."""
+    net = Net(pokes=polls)
+    net.handshake()
+    h = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)
+    posted = len(net.writes)
+    assert posted
+    while net.writes:
+        net.finish(next(iter(net.writes)))
+    pokes = [m for _, m in net.to_dec if isinstance(m, wire.Poke)]
+    assert len(pokes) == (posted if polls else 0)
+    net.deliver()
+    assert h.state is State.DONE and net.handles["pre", "r"].state is State.DONE
+
+
+def test_a_poke_changes_nothing_on_the_decode_rank() -> None:
+    """A Poke only wakes its receiver: a buggy or hostile source sending them at will moves
+    no request, counts no write and gets no answer."""
+    net = Net(pokes=True)
+    net.handshake()
+    h = net.expect("r", {"kv": [1, 2]})
+    net.deliver()
+    before = list(h.states)
+    for _ in range(100):
+        net.apply("dec", net.dec.receive(net.dec_conn, wire.Poke(), net.now))
+    assert h.states == before and not net.to_pre
+    net.offer("r")
+    net.write("r", {"kv": [3, 4]}, last=True)
+    net.finish_all()
+    net.deliver()
+    assert h.state is State.DONE

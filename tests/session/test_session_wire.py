@@ -25,12 +25,14 @@ HELLO = dict(
 )
 EXAMPLES: list[wire.Message] = [
     wire.Hello(**HELLO),  # type: ignore[arg-type]
+    wire.Hello(**HELLO, pokes=True),  # type: ignore[arg-type]
     wire.Welcome(**HELLO, stage="plan", error="no"),  # type: ignore[arg-type]
     wire.Request(rid="r", gen=3, needed=True, slots=wire.pack_slots({"kv": [1, 2]})),
     wire.Abort(rid="r", gen=3, stage="abort", text="why"),
     wire.AbortAck(rid="r", gen=3),
     wire.Fail(rid="r", gen=3, stage="transfer", text="driver said no"),
     wire.Written(rid="r", gen=3, src_rank=0, seq=1, total=2),
+    wire.Poke(),
     wire.Ping(incarnation=1),
     wire.Pong(incarnation=2),
     wire.Bye(incarnation=3, reason="closed"),

@@ -74,6 +74,7 @@ class Settings:
     endpoint: bytes
     fingerprint: str
     notifying: bool  # the driver carries completion tags on notifications
+    pokes: bool = False  # ... and we poll for them (no descriptor): sources poke us (wire.Poke)
     fencing: bool = False  # the driver can cut a lost source's connections (Backend.fence)
     fence_cuts_all: bool = False  # ... and cuts every other source's with them
     ends_are_final: bool = True  # an aborted write lands nothing more (else: a barrier after it)

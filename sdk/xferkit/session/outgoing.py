@@ -285,6 +285,8 @@ class Outgoing:
             return lost
         if not self.s.notifying:
             self.out.send(dst.down.conn, wire.written(tag))
+        elif dst.down.pokes:
+            self.out.send(dst.down.conn, wire.Poke())
         if tag.round is not None:  # its source half is free: pack the next
             self.stager.written(rec, dst, tag.round)
         self._check(rec)

@@ -97,6 +97,7 @@ class Down:
             hello.pp_size,
         )  # fmt: skip
         self.resume = hello.resume
+        self.pokes = hello.pokes  # it polls its notifications: a Poke as each write ends
         self.driver_name = ""
         self.manifest: Manifest | None = None  # until connected
         self.peer: Any = None
@@ -170,8 +171,9 @@ class Pairs:
         self.out.add(act.Open(up.conn))
         s = self.s
         hello = wire.Hello(
-            **self._me(), pp_rank=s.pp_rank, pp_size=s.pp_size, resume=s.resume(address)
-        )
+            **self._me(), pp_rank=s.pp_rank, pp_size=s.pp_size, resume=s.resume(address),
+            pokes=s.pokes,
+        )  # fmt: skip
         up.endpoint = self.endpoint
         self.out.send(up.conn, hello)
         return up

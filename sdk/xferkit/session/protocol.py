@@ -239,6 +239,8 @@ class Protocol:
             self.incoming.on_message(up, msg, now)
         elif isinstance(msg, wire.Written):
             self.incoming.completed(up, wire.tag_of(msg), now)
+        elif isinstance(msg, wire.Poke):
+            pass  # its arrival woke the shell, whose pass reads the notifications next
         else:
             log.warning(
                 "%s: unexpected %s from %s: dropped", self.s.address, type(msg).__name__, up.address

@@ -204,6 +204,7 @@ class Session(Closing):
             endpoint=backend.endpoint(),
             fingerprint=fingerprint(manifest),
             notifying=caps.notifications,
+            pokes=caps.notifications and backend.notification_fd() is None,
             fencing=caps.fencing,
             fence_cuts_all=caps.fence_cuts_all,
             ends_are_final=caps.ends_are_final,

@@ -82,6 +82,10 @@ class Hello(_Introduction, frozen=True, tag="hello"):
     """A digest of the prefill's address keyed by a secret of this Session's: a Hello on a new
     connection that carries the one a live pair's Hello carried is that decode rank coming back
     (it declared the pair lost), and replaces the pair; anyone else naming its memory is refused."""
+    pokes: bool = False
+    """This rank polls its driver's notifications (the driver has no descriptor to wait on):
+    send it a ``Poke`` as each write to it ends, so that it reads that notification then
+    rather than at its next poll."""
 
 
 class Welcome(_Introduction, frozen=True, tag="welcome"):
@@ -202,6 +206,11 @@ class Unpacked(_Msg, frozen=True, tag="unpacked"):
     index: Count
 
 
+class Poke(_Msg, frozen=True, tag="poke"):
+    """Prefill -> decode, to a rank whose ``Hello`` asked: a write to it ended, read the
+    driver's notifications now. It carries nothing else: the notification is what counts."""
+
+
 class Ping(_Msg, frozen=True, tag="ping"):
     """Decode -> prefill heartbeat, per peer (not per request)."""
 
@@ -276,6 +285,7 @@ Message = (
     | Fail
     | Written
     | Unpacked
+    | Poke
     | Ping
     | Pong
     | Bye

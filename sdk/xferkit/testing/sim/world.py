@@ -101,6 +101,7 @@ class Rank:
             endpoint=endpoint(self.name, w.driver.epochs.get(self.name, 0)),
             fingerprint="sim",
             notifying=c.notifying,
+            pokes=c.notifying,  # the simulated driver has no descriptor to wait on either
             fencing=c.fencing,
             fence_cuts_all=c.fencing and c.fence_cuts_all,
             ends_are_final=c.ends_final,
