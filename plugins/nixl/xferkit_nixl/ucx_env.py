@@ -25,6 +25,13 @@ Not loading UCX's EFA module avoids it:
 corrupts any protocol that uses stdout (the conformance kit's peer process,
 for one); the default here is ``stderr``.
 
+``UCX_USE_MT_MUTEX=y``: UCX guards each worker with a spinlock by default. NIXL's progress
+thread and the thread that posts both take it, and on host memory the post copies inside
+the lock (``process_vm_writev``, milliseconds for a staged round), so the progress thread
+spun on a core for as long as each copy ran: 7-9% of a 2-core machine under an engine's
+load, and a process used 1.9-2.0 CPU seconds a second of one long write. A mutex puts the
+waiter to sleep instead (docs/nixl.md, "The progress thread spins on UCX's lock").
+
 ``UCX_TLS`` is not set here, only read (``fencing``): which transports a context
 may use is read again at every context's creation (every agent), unlike
 ``UCX_MODULES``, which decides once per process which modules load.
@@ -99,6 +106,13 @@ def apply_defaults(
     if "UCX_LOG_FILE" not in env:
         env["UCX_LOG_FILE"] = "stderr"
         notes.append("UCX_LOG_FILE=stderr set (UCX logs to stdout by default)")
+        log.info("%s", notes[-1])
+    if "UCX_USE_MT_MUTEX" not in env:
+        env["UCX_USE_MT_MUTEX"] = "y"
+        notes.append(
+            "UCX_USE_MT_MUTEX=y set: a thread waiting for a UCX worker's lock sleeps rather "
+            "than spins while another copies under it"
+        )
         log.info("%s", notes[-1])
     if late:
         notes.append(
