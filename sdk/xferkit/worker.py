@@ -31,6 +31,8 @@ transfer on it has ended by then).
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -39,6 +41,8 @@ from typing import Generic, TypeVar
 from .descriptors import Descriptors
 from .errors import ArgumentError
 from .posted import Posted, Status
+
+log = logging.getLogger("xferkit.worker")
 
 
 class QueuedBatch(Posted):
@@ -109,6 +113,10 @@ class BatchWorker(Generic[B]):
     descriptors in all) go to it as one run, in order, and each ends with its outcome. An
     engine whose every call costs a fixed round trip then pays it once per run, not once per
     batch, exactly when batches queue up: under load.
+
+    ``nice``, when above 0, raises the thread's nice value by that much as it starts (Linux
+    sets it per thread), for an engine call that busy-waits for its batch: the spinning
+    thread then yields a busy CPU to the threads doing the work, and still has an idle one.
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class BatchWorker(Generic[B]):
         together: Callable[[list[B]], str | None] | None = None,
         max_run: int = 32,
         max_entries: int = 1024,
+        nice: int = 0,
     ) -> None:
         for what, value in (("execute", execute), ("together", together)):
             if not callable(value) and not (what == "together" and value is None):
@@ -126,7 +135,9 @@ class BatchWorker(Generic[B]):
         for what, bound in (("max_run", max_run), ("max_entries", max_entries)):
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
                 raise ArgumentError(f"BatchWorker's {what} must be an int >= 1, not {bound!r:.80}")
-        self._execute, self._together = execute, together
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ArgumentError(f"BatchWorker's nice must be an int in 0..19, not {nice!r:.80}")
+        self._execute, self._together, self._nice = execute, together, nice
         self._max_run, self._max_entries = max_run, max_entries
         self._queue: queue.SimpleQueue[B | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -149,6 +160,8 @@ class BatchWorker(Generic[B]):
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        if self._nice:
+            _lower_priority(self._nice)
         held: list[B | None] = []  # taken from the queue but not fitting the last run
         while (batch := held.pop() if held else self._queue.get()) is not None:
             if batch.cancelled:
@@ -189,6 +202,16 @@ class BatchWorker(Generic[B]):
             error = f"driver worker error: {type(exc).__name__}: {exc}"
         for batch in run:
             batch.end(error)
+
+
+def _lower_priority(by: int) -> None:
+    """Raise the calling thread's nice value by ``by`` (at most to 19); where the platform
+    cannot, the thread runs as it is (logged)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + by, 19))
+    except (AttributeError, OSError) as exc:
+        log.debug("cannot lower the priority of %s: %s", threading.current_thread().name, exc)
 
 
 def _entries(batch: QueuedBatch) -> int:

@@ -189,6 +189,9 @@ def test_any_queue_runs_in_order_once_each_within_the_bounds(
         ({"max_entries": 2.5}, "max_entries"),
         ({"together": "fast"}, "together"),
         ({"execute": None}, "execute"),
+        ({"nice": 20}, "nice"),
+        ({"nice": -5}, "nice"),
+        ({"nice": True}, "nice"),
     ],
 )
 def test_a_careless_driver_author_gets_an_argument_error_naming_the_bad_one(

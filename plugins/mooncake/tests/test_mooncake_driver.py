@@ -177,6 +177,35 @@ def test_one_lane_per_connection_stopped_with_its_last_peer(pair: Pair) -> None:
     assert _lanes(segment) == 0
 
 
+def _nice(tid: int) -> int:
+    """A thread's nice value, as the kernel reports it (field 19 of its stat)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.parametrize("lane_nice", [None, 0, 19])
+def test_a_lane_spinning_in_the_engine_yields_a_busy_cpu(lane_nice: int | None) -> None:
+    """The engine's synchronous call busy-waits while a batch is in flight; the lane that
+    makes it runs at a lower priority than the rest of the process (10 by default)."""
+    src = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    options = {} if lane_nice is None else {"lane_nice": lane_nice}
+    with open_mooncake(**options) as a, open_mooncake() as b:
+        a.register(xk.Manifest.build([_region(src, "src")]))
+        b.register(xk.Manifest.build([_region(dst, "dst")]))
+        assert b.manifest is not None
+        peer = a.connect(b.endpoint(), b.manifest)
+        d = _blocks(src, dst, 16, 4096)
+        a.write(peer, d).wait(30)
+        _expect(src, dst, d)
+        segment = driver_of(b).address
+        (lane,) = [t for t in threading.enumerate() if t.name == f"xferkit-mooncake-{segment}"]
+        assert lane.native_id is not None
+        mine = _nice(threading.get_native_id())
+        want = 10 if lane_nice is None else lane_nice
+        assert _nice(lane.native_id) == min(mine + want, 19)
+
+
 def test_registering_again_gives_a_new_segment_and_lane(pair: Pair) -> None:
     """Re-registration after an endpoint was handed out retires the segment: a new endpoint,
     a new lane; the old peer is refused by the old segment (checked by Mooncake itself)."""
@@ -270,6 +299,9 @@ def test_protocol_mismatch_is_refused_at_connect() -> None:
         {"device": 0},
         {"hostname": ""},
         {"notifications": "yes"},
+        {"lane_nice": 20},
+        {"lane_nice": -1},
+        {"lane_nice": 1.5},
     ],
 )
 def test_bad_options_are_option_errors(options: dict[str, Any]) -> None:

@@ -10,6 +10,10 @@ never delays the others. The batches queued behind the one taken go in the
 same call, their messages framed in one notification: a call costs a round
 trip whatever it carries, and under load they queue.
 
+The synchronous call spins on its core until the batch ends, a lane per peer with a batch in
+flight: so a lane runs at a lower priority (``MooncakeOptions.lane_nice``), and yields a busy
+CPU to the engine's transport threads and the Session's, which do the work it waits for.
+
 A batch inside the engine cannot be cancelled: the binding offers no abort, and
 freeing a batch in flight leaves its slices moving bytes. So a released batch
 stays PENDING until the engine returns, which the transport's stall timeout
@@ -85,7 +89,7 @@ class Lane(BatchWorker[QueuedBatch]):
     A running batch holds its engine in a local variable: the engine outlives it.
     """
 
-    def __init__(self, local: Local, segment: str) -> None:
+    def __init__(self, local: Local, segment: str, nice: int) -> None:
         self.segment = segment
         super().__init__(
             lambda job: _execute(local, segment, [job]),
@@ -93,6 +97,7 @@ class Lane(BatchWorker[QueuedBatch]):
             together=lambda run: _execute(local, segment, run),
             max_run=MAX_RUN,
             max_entries=MAX_ENTRIES,
+            nice=nice,
         )
 
 
