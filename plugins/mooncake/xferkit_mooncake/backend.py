@@ -63,10 +63,11 @@ peer failing for the engine's lifetime. One batch in flight per peer keeps us un
 
 LANE_JOIN_S = 5.0
 
-LANE_NICE = 10
+LANE_NICE = 5
 """A lane spins in the engine's synchronous call for as long as its batch is in flight. Under
-an engine-shaped load on 2 cores (8 lanes, 2 prefill ranks) the spin was a fifth of the CPU;
-at nice 10 the load moved 0.68-0.72 GB/s against 0.48 (docs/mooncake.md)."""
+an engine-shaped load on 2 cores (8 lanes, 2 prefill ranks) the spin was a fifth of the CPU.
+At nice 5 that load moved about a fifth more, quiet or with the cores kept busy; at 10 the
+busy rows lost, the lanes then noticing their batches' ends late (docs/mooncake.md)."""
 
 
 DESCRIPTOR_BYTES = 60_000
