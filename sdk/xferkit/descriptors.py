@@ -153,16 +153,20 @@ def _check(src: object, dst: object, nbytes: object) -> None:
 
 
 def merge_neighbours(
-    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray
+    src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, apart: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge each copy into the one before it where it continues that one on both sides.
 
     In the order given (sort first to merge more); the same arrays when nothing merges.
+    ``apart`` (bools) marks copies that begin a descriptor whatever comes before them: the
+    first of another region, where contiguous memory is not one registration.
     """
     if src.size < 2:
         return src, dst, nbytes
     start = np.ones(src.size, dtype=bool)
     start[1:] = (src[:-1] + nbytes[:-1] != src[1:]) | (dst[:-1] + nbytes[:-1] != dst[1:])
+    if apart is not None:
+        start |= apart
     idx = np.flatnonzero(start)
     if idx.size == src.size:
         return src, dst, nbytes

@@ -302,9 +302,17 @@ class Round:
             raise PlanError(f"only must be None, 'send' or 'unpack', not {only!r}")
         src, dst = np.uint64(int(src_stage)), np.uint64(int(dst_stage))
         parts = [_expand_part(part, src, dst, only) for part in self._parts]
+        # Staging to staging ("both"; they come first) joins into one copy across groups;
+        # a copy from or into slots joins only within its region (``_expand_part``).
+        paths = [part.staged.path for part in self._parts]
+        both = [p.wire for p, path in zip(parts, paths, strict=True) if path == "both"]
+        rest = [p.wire for p, path in zip(parts, paths, strict=True) if path != "both"]
         return RoundCopies(
             Descriptors.concat([p.pack for p in parts if len(p.pack)]),
-            _join(Descriptors.concat([p.wire for p in parts if len(p.wire)])),
+            Descriptors.concat(
+                [_join(Descriptors.concat([w for w in both if len(w)]))]
+                + [w for w in rest if len(w)]
+            ),
             Descriptors.concat([p.unpack for p in parts if len(p.unpack)]),
         )
 
@@ -421,10 +429,10 @@ def _expand_part(
         if send:
             a, b, ln = scatter(src_slot(), s.packs, src_block)
             pack = Descriptors(a, b, ln)
-            wire = Descriptors(src_block, dst_slot() + p.dst[0], unit())
+            wire = _join(Descriptors(src_block, dst_slot() + p.dst[0], unit()), region)
     elif s.path == "unpack":
         if send:
-            wire = Descriptors(src_slot() + p.src[0], dst_block, unit())
+            wire = _join(Descriptors(src_slot() + p.src[0], dst_block, unit()), region)
         if unpack:
             a, b, ln = scatter(dst_slot(), s.unpacks, dst_block)
             unpacked = Descriptors(b, a, ln)
@@ -441,9 +449,16 @@ def _expand_part(
     return RoundCopies(pack, wire, unpacked)
 
 
-def _join(d: Descriptors) -> Descriptors:
-    """Merge neighbours contiguous on both sides (consecutive staging blocks, runs of slots)."""
-    src, dst, nbytes = merge_neighbours(d.src, d.dst, d.nbytes)
+def _join(d: Descriptors, region: np.ndarray | None = None) -> Descriptors:
+    """Merge neighbours contiguous on both sides (consecutive staging blocks, runs of slots),
+    never across a change of ``region`` (each copy's region within its group): regions
+    laid end to end in memory are still registered one by one."""
+    apart = None
+    if region is not None and len(d) > 1:
+        apart = np.empty(len(d), dtype=bool)
+        apart[0] = True
+        np.not_equal(region[1:], region[:-1], out=apart[1:])
+    src, dst, nbytes = merge_neighbours(d.src, d.dst, d.nbytes, apart)
     return d if src is d.src else Descriptors(src, dst, nbytes)
 
 

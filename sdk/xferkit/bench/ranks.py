@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from ..testing.reference import Rank, RegionSpec, Side
+from ..testing.reference import Blocks, Rank, RegionSpec, Side
 from .content import fill_source
 from .models import stage_layers
 
@@ -29,6 +29,21 @@ class _Blank(Mapping):
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+
+POOL_BLOCK = 64 << 20
+"""How the bench places a rank's small pools: page-aligned in blocks of this size, as an
+engine's pools come from big allocations (torch's allocators) that the kernel maps on page
+boundaries and backs with huge pages where it may. numpy alone put the small ones (the
+prefill's source pages, a few MiB per region) on the C heap, each at its own offset within
+a page and on 4 KiB pages: a pack gathering from several could not view them as one grid
+of pieces and took numpy's slower element-wise path, which made the load's packs cost twice
+their bytes (docs/performance.md). Pools of a block or more keep numpy's own allocation,
+which is such a block already (copying them would touch their memory twice)."""
+
+
+def pool_memory() -> Blocks:
+    return Blocks(POOL_BLOCK, align=4096, keep_from=POOL_BLOCK)
 
 
 def stage_specs(specs: list[RegionSpec], pp_rank: int, pp_size: int) -> list[RegionSpec]:
@@ -56,6 +71,7 @@ def build_rank(
         pp_stage=pp_rank,
         fill=_Blank(mine, slots, side),
         side=side,
+        place=pool_memory(),
     )
     if side == "src":
         for spec in mine:

@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..descriptors import Descriptors
-from ..manifest import Manifest
+from ..manifest import STAGING_POOL, Manifest, Region
 from ..planner import coverage
 from ..staging import COPY_COST, Force, stage
 from .reference import Reference, WriteCounter, execute, page_pairs
@@ -214,6 +214,20 @@ def staged_handoff(
                 # Each side computes its own copies, as a Session's do.
                 copies = r.expand(src_stage.ctypes.data, dst_stage.ctypes.data, only="send")
                 copy(copies.pack)
+                # Each wire copy lies whole in one region of each side (staging included):
+                # what every driver's registration asks of a descriptor.
+                _regions(
+                    with_staging(srcs[si], src_stage),
+                    copies.wire.src,
+                    copies.wire.nbytes,
+                    "wire source",
+                )
+                _regions(
+                    with_staging(rank.manifest, dst_stage),
+                    copies.wire.dst,
+                    copies.wire.nbytes,
+                    "wire destination",
+                )
                 execute(copies.wire)
                 unpack = seen.expand(
                     src_stage.ctypes.data, dst_stage.ctypes.data, only="unpack"
@@ -227,6 +241,14 @@ def staged_handoff(
         ref.check(di, wanted)
     _written_once_sources_kept(counter, ref, before)
     return counts
+
+
+def with_staging(manifest: Manifest, staging: np.ndarray) -> Manifest:
+    """``manifest`` with ``staging`` registered after its regions, as a Session's is."""
+    region = Region.from_array(staging, pool=STAGING_POOL, name="staging", layer=0)
+    return Manifest(
+        (*manifest.regions, region), manifest.tp_rank, manifest.tp_size, manifest.dropped
+    )
 
 
 def _written_once_sources_kept(counter: WriteCounter, ref: Reference, before: list) -> None:

@@ -10,7 +10,7 @@ out here. Engines and plugin authors reuse it to check their own transfers.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -164,7 +164,8 @@ class Rank:
     """One rank's buffers and the manifest that describes them.
 
     ``fill`` holds each spec's global tensor of ``side`` (canonical order);
-    the rank keeps its shard in ``side``'s memory order.
+    the rank keeps its shard in ``side``'s memory order, where ``place`` puts it
+    (an array of the same shape and bytes; numpy's own allocation without it).
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class Rank:
         pp_stage: int,
         fill: Mapping[RegionKey, np.ndarray],
         side: Side = "src",
+        place: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.tp_rank, self.tp_size, self.pp_stage = tp_rank, tp_size, pp_stage
         self.side = side
@@ -185,6 +187,8 @@ class Rank:
             # Bytes are the last axis of the model's arrays; the manifest sees itemsize.
             canonical = shard(spec, fill[spec.key], tp_rank, tp_size)
             array = to_side(spec, side, canonical)
+            if place is not None:
+                array = place(array)
             self.arrays[spec.key] = array
             regions.append(_region_of(spec, side, array, canonical.shape[1:-1], tp_size))
         self.manifest = Manifest.build(regions, tp_rank=tp_rank, tp_size=tp_size)
@@ -239,18 +243,49 @@ def _side(
     fill: Mapping[RegionKey, np.ndarray],
 ) -> list[Rank]:
     stage = _stage_of((s.layer for s in specs), pp_size)
-    return [
-        Rank(
-            [s for s in specs if stage[s.layer] == p],
-            tp_rank=t,
-            tp_size=tp_size,
-            pp_stage=p,
-            fill=fill,
-            side=side,
-        )
-        for p in range(pp_size)
-        for t in range(tp_size)
-    ]
+    ranks = []
+    for p in range(pp_size):
+        mine = [s for s in specs if stage[s.layer] == p]
+        for t in range(tp_size):
+            end_to_end = Blocks(sum(fill[s.key].nbytes for s in mine) // tp_size)
+            ranks.append(
+                Rank(
+                    mine,
+                    tp_rank=t,
+                    tp_size=tp_size,
+                    pp_stage=p,
+                    fill=fill,
+                    side=side,
+                    place=end_to_end,
+                )
+            )
+    return ranks
+
+
+class Blocks:
+    """Places arrays one after another in large blocks of memory, each on an ``align``-byte
+    boundary, as an engine carves its layers out of big allocations. With ``align=1`` one
+    region ends where the next begins: a copy merged across that boundary would look
+    contiguous while no driver may take it (each registration is its own). Arrays of
+    ``keep_from`` bytes or more stay where they are (a block of their own already)."""
+
+    def __init__(self, block: int, *, align: int = 1, keep_from: int | None = None) -> None:
+        self._block, self._align, self._keep_from = block, align, keep_from
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._at = 0
+
+    def __call__(self, array: np.ndarray) -> np.ndarray:
+        n = array.nbytes
+        if not n or (self._keep_from is not None and n >= self._keep_from):
+            return array
+        if self._at + n > self._buffer.size:
+            raw = np.empty(max(n, self._block) + self._align - 1, dtype=np.uint8)
+            start = -raw.ctypes.data % self._align
+            self._buffer, self._at = raw[start : start + max(n, self._block)], 0
+        home = self._buffer[self._at : self._at + n].view(array.dtype).reshape(array.shape)
+        home[...] = array
+        self._at += -(-n // self._align) * self._align
+        return home
 
 
 class Reference:
