@@ -206,8 +206,9 @@ def _copy_group(src: np.ndarray, dst: np.ndarray, length: int) -> None:
         return
     n, step = len(src), max(1, _CHUNK_BYTES // length)
     if not s.dense:  # overlapping rows: fancy indexing, through numpy's own temporary
+        s_view, d_view = (s.whole(length), d.whole(length)) if s.per > _SPREAD else (s.view, d.view)
         for i in range(0, n, step):
-            d.view[d.index(i, i + step)] = s.view[s.index(i, i + step)]
+            d_view[d.index(i, i + step)] = s_view[s.index(i, i + step)]
         return
     # np.take (unbuffered: mode="clip", indices are in range) gathers ~1.6x faster than
     # indexing, straight into the destination when that is contiguous memory.
@@ -323,6 +324,13 @@ class _Side:
             self.view = _raw(span.lo, ((size - length) // word + 1, self.per), (word, item), item)
         self.shift = self.unit.bit_length() - 1 if self.unit & (self.unit - 1) == 0 else -1
 
+    def whole(self, length: int) -> np.ndarray:
+        """This side's rows as one ``length``-byte item each (``per > _SPREAD``): indexed,
+        numpy moves each piece with one memcpy where items of 16 bytes cost a loop step each
+        (an unpack's scatter into pages under load: a sixth less CPU, docs/performance.md)."""
+        v = self.view
+        return raw_array(_address(v), (v.shape[0],), f"|V{length}", (v.strides[0],))
+
     def index(self, start: int, stop: int) -> slice | np.ndarray:
         """The chunk ``[start, stop)`` of pieces as this side's view is indexed."""
         return slice(start, stop) if self.addrs is None else self.rows(start, stop)
@@ -338,6 +346,10 @@ class _Side:
         for k in range(self.per):  # column by column: broadcasting over a short axis is ~8x slower
             np.add(rows, k * self.skip, out=out[:, k])
         return out
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def _raw(addr: int, shape: tuple[int, ...], strides: tuple[int, ...], item: int) -> np.ndarray:
