@@ -47,6 +47,10 @@ _SPREAD: Final = 4
 Measured on 16-byte items: 1.1-1.5x faster up to 4 items a piece, slower from 8.
 """
 
+_WHOLE_MAX: Final = 1 << 30
+"""Longest piece indexed as one numpy item (``_Side.whole``): numpy's void items end below
+2 GiB, so longer pieces keep rows of 16-byte items."""
+
 _ITEMS: Final[dict[int, np.dtype[Any]]] = {
     16: np.dtype(np.complex128),  # copied bit for bit: same-dtype copies never do arithmetic
     8: np.dtype(np.uint64),
@@ -206,7 +210,8 @@ def _copy_group(src: np.ndarray, dst: np.ndarray, length: int) -> None:
         return
     n, step = len(src), max(1, _CHUNK_BYTES // length)
     if not s.dense:  # overlapping rows: fancy indexing, through numpy's own temporary
-        s_view, d_view = (s.whole(length), d.whole(length)) if s.per > _SPREAD else (s.view, d.view)
+        whole = s.per > _SPREAD and length <= _WHOLE_MAX
+        s_view, d_view = (s.whole(length), d.whole(length)) if whole else (s.view, d.view)
         for i in range(0, n, step):
             d_view[d.index(i, i + step)] = s_view[s.index(i, i + step)]
         return

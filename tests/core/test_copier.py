@@ -344,3 +344,31 @@ def test_copier_for_an_unknown_device_names_it(device: str) -> None:
     with pytest.raises(CapabilityError, match=repr(device)) as caught:
         copier_for(device)
     assert isinstance(caught.value, XferError) and caught.value.subject == device
+
+
+@pytest.mark.parametrize("whole_max", [1 << 30, 4096])
+def test_a_scatter_moves_a_piece_as_one_item_only_below_numpys_item_limit(
+    whole_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One item per piece is one memcpy, but numpy's void items end below 2 GiB: a longer
+    piece must keep rows of 16-byte items (here the limit is lowered to 4 KiB pieces)."""
+    monkeypatch.setattr(copier, "_WHOLE_MAX", whole_max)
+    seen: list[int] = []
+    whole = copier._Side.whole
+
+    def spy(side: copier._Side, n: int) -> np.ndarray:
+        seen.append(n)
+        return whole(side, n)
+
+    monkeypatch.setattr(copier._Side, "whole", spy)
+    length, rng = 8192, np.random.default_rng(1)
+    picks = rng.choice(64, 16, replace=False)
+    stage = rng.integers(0, 256, 16 * length, dtype=np.uint8)
+    pool = np.zeros(64 * length, dtype=np.uint8)
+    copy_pieces(
+        _rows(stage, np.arange(16), length),
+        _rows(pool, picks, length),
+        np.full(16, length, dtype=np.uint64),
+    )
+    assert np.array_equal(pool.reshape(-1, length)[picks], stage.reshape(-1, length))
+    assert seen == ([length, length] if length <= whole_max else [])
