@@ -334,7 +334,7 @@ class _Side:
         numpy moves each piece with one memcpy where items of 16 bytes cost a loop step each
         (an unpack's scatter into pages under load: a sixth less CPU, docs/performance.md)."""
         v = self.view
-        return raw_array(_address(v), (v.shape[0],), f"|V{length}", (v.strides[0],))
+        return raw_array(v.ctypes.data, (v.shape[0],), f"|V{length}", (v.strides[0],))
 
     def index(self, start: int, stop: int) -> slice | np.ndarray:
         """The chunk ``[start, stop)`` of pieces as this side's view is indexed."""
@@ -351,10 +351,6 @@ class _Side:
         for k in range(self.per):  # column by column: broadcasting over a short axis is ~8x slower
             np.add(rows, k * self.skip, out=out[:, k])
         return out
-
-
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
 
 
 def _raw(addr: int, shape: tuple[int, ...], strides: tuple[int, ...], item: int) -> np.ndarray:
