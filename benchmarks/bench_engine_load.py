@@ -10,7 +10,8 @@ job would. Each of ``--shapes`` (``PRESET[:LAYERS]``: the mock engine's tiny
 hybrid, Llama-70B's KV heads of 128, Qwen3-Next's GDN state) gets its rows.
 ``one large`` rows move a single request of ``--large-tokens`` at a time,
 without byte checks, so that the checker's hashing between requests does not
-count as transfer time: the aggregate under load over it is the ``vs 1 large``
+count as transfer time, on the same machine (quiet, or busy with the same hogs) as
+the load rows after them: the aggregate under load over it is the ``vs 1 large``
 column (with checks on, the load rows pay for theirs). A failed request ends its
 row with the root cause (its stage first). Prints a table and writes
 benchmarks/results/engine_load.json.
@@ -87,9 +88,11 @@ def run(
                         min_tokens=min_tokens, verify=bool(verify))  # fmt: skip
         large = Workload(specs, large_tokens, (p.page, p.page), 3, 1, chunks, verify=False)
         for driver in drivers.split(","):
-            one = _case(driver, large, pair, "quiet", shape, "one large", 0)
-            rows.append(one)
             for machine in ("quiet", "busy"):
+                # Against one large request on the same machine: two hogs halve what the
+                # ranks get of the cores, for the large request as for the load.
+                one = _case(driver, large, pair, machine, shape, "one large", hogs)
+                rows.append(one)
                 what = f"{min_tokens}-{tokens} tokens"
                 row = _case(driver, load, pair, machine, shape, what, hogs)
                 if row["done"] and one["done"]:
