@@ -297,6 +297,7 @@ class _Runner:
         self.free = _Slots(dst_counts, self.rng)
         self.sources = [r.address for r in cluster.prefill]
         self.pending: dict[str, tuple[Record, dict[str, list[int]], set[str]]] = {}
+        self.sized: list[tuple[Record, dict[str, tuple[list[int], list[int]]]]] = []
         lo = min(work.pages)
         k = work.pages[1] // lo  # prefill pages per decode page: chunks must hold whole ones
         self.multiple = k if work.pages[1] > work.pages[0] else 1
@@ -310,13 +311,9 @@ class _Runner:
             count = (n_src, n_dst) if pool == "kv" else (1, 1)
             src = self.rng.choice(self.src_counts[pool], count[0], replace=False).tolist()
             request[pool] = (src, self.free.take(pool, count[1]))
-        descs = nbytes = 0
-        for (_, j), p in self.plans.items():
-            mine = {pl: v for pl, v in request.items() if pl in self.cluster.decode[j].pools}
-            d = p.expand(mine)
-            descs += len(d)
-            nbytes += d.total_bytes
-        record = Record(rid, nbytes, descs, warmup=warmup)
+        record = Record(rid, 0, 0, warmup=warmup)
+        self.sized.append((record, request))  # sized after the run: planning here took the
+        # cores from the ranks while they moved the load (a tenth of its CPU)
         chunks: list[Slots] = (
             [{"kv": part} for part in _split(request["kv"][0], work.chunks, self.multiple)]
             if "kv" in request
@@ -388,6 +385,12 @@ class _Runner:
                         tick()
         if work.verify:
             self._audit(timeout)
+        for record, request in self.sized:
+            for (_, j), p in self.plans.items():
+                mine = {pl: v for pl, v in request.items() if pl in self.cluster.decode[j].pools}
+                d = p.expand(mine)
+                record.descriptors += len(d)
+                record.bytes += d.total_bytes
         return records
 
     def _audit(self, timeout: float) -> None:
