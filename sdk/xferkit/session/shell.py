@@ -33,11 +33,10 @@ from .dataplane import DataPlane
 from .dealers import Dealers
 from .keys import SessionKeys
 from .packer import Packer
+from .polling import Cadence
 from .protocol import Protocol
 from .states import PairEvent
 
-POLL_S = 0.001
-"""How often notifications are polled for a driver without a descriptor to sleep on."""
 YIELD_S = 5e-5
 """How long the control thread pauses in a burst while the data plane has posts to take."""
 BUDGET_S = 0.02
@@ -82,7 +81,7 @@ class Shell:
         self.packer = Packer(copier, self.event)
         self._driver_work: list[act.Action] = []  # for the data plane, flushed once a pass
         self._notify_fd: int | None = None
-        self._poll_notes = False
+        self._poll_notes, self._polls = False, Cadence()  # polled without a descriptor
         self.data = DataPlane(backend, self.event, self.where)
         self._thread: threading.Thread | None = None
         self._closing = self._ended = self._handed = False  # the control thread's
@@ -179,8 +178,9 @@ class Shell:
         # Commands left over by the last pass's budget: no wait.
         wait = 0.0 if self.commands else max(p.next_deadline() - time.monotonic(), 0.0)
         if self._poll_notes and p.incoming.recvs:
-            wait = min(wait, POLL_S)
+            wait = min(wait, self._polls.wait_s)
         events = dict(self._poller.poll(math.ceil(min(wait, most_s) * 1000)))
+        active = bool(events)
         if events.pop(self._wake_fd, None) is not None:
             with contextlib.suppress(OSError):
                 self._wake_r.recv(4096)
@@ -193,7 +193,7 @@ class Shell:
         if (self._notify_fd is not None and events.pop(self._notify_fd, None) is not None) or (
             self._poll_notes and p.incoming.recvs
         ):
-            self._drain_notifications()
+            self._polls.passed(self._drain_notifications() or active)  # unused with a descriptor
         self._until = time.monotonic() + BUDGET_S
         if self.commands and self._run_commands():
             return True
@@ -315,7 +315,7 @@ class Shell:
             log.warning("%s: dropped a message from %s: %s", self.where, who, exc)
             return None
 
-    def _drain_notifications(self) -> None:
+    def _drain_notifications(self) -> bool:  # whether there were any
         p = self.protocol
         assert p is not None
         try:
@@ -326,9 +326,10 @@ class Shell:
                 self._poll_notes, fd, self._notify_fd = False, self._notify_fd, None
                 with contextlib.suppress(KeyError, zmq.ZMQError):
                     self._poller.unregister(fd)
-            return
+            return False
         for note in notes:
             self._apply(p.notification(note.peer, note.message, time.monotonic()))
+        return bool(notes)
 
     # -- carrying out actions -------------------------------------------------------------
 
