@@ -6,8 +6,10 @@ requests of random length (``--min-tokens``..``--tokens``) with ``--concurrency`
 in flight, each in ``--chunks`` chunks plus its state slot, every byte checked
 (``--verify 0``: none) and every decode slot audited after the last. ``busy``
 rows run the same with ``--hogs`` processes spinning on the CPU, as an unrelated
-job would. Each of ``--shapes`` (``PRESET[:LAYERS]``: the mock engine's tiny
-hybrid, Llama-70B's KV heads of 128, Qwen3-Next's GDN state) gets its rows.
+job would, from the moment the ranks are up (their pools' first touch is not the
+transfer, and took minutes under the hogs on a VM whose fresh memory comes slowly).
+Each of ``--shapes`` (``PRESET[:LAYERS]``: the mock engine's tiny hybrid, Llama-70B's
+KV heads of 128, Qwen3-Next's GDN state) gets its rows.
 ``one large`` rows move a single request of ``--large-tokens`` at a time,
 without byte checks, so that the checker's hashing between requests does not
 count as transfer time, on the same machine (quiet, or busy with the same hogs) as
@@ -22,7 +24,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,13 +43,17 @@ def _spin() -> None:
 
 
 @contextmanager
-def _busy(hogs: int) -> Iterator[None]:
-    """``hogs`` processes keeping the cores busy for as long as the block runs."""
-    procs = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(hogs)]
-    for p in procs:
-        p.start()
+def _busy(hogs: int) -> Iterator[Callable[[], None]]:
+    """A call that starts ``hogs`` processes keeping the cores busy until the block ends."""
+    procs: list[Any] = []
+
+    def start() -> None:
+        for _ in range(hogs):
+            procs.append(mp.get_context("spawn").Process(target=_spin, daemon=True))
+            procs[-1].start()
+
     try:
-        yield
+        yield start
     finally:
         for p in procs:
             p.kill()
@@ -61,8 +67,8 @@ def _case(
     row: dict[str, Any] = {"driver": driver, "model": model, "shape": shape, "machine": machine}
     started = time.monotonic()
     try:
-        with _busy(hogs if machine == "busy" else 0):
-            result = run_case(Case(driver, tp), work).to_json()
+        with _busy(hogs if machine == "busy" else 0) as start:  # once the ranks are up
+            result = run_case(Case(driver, tp), work, ready=start).to_json()
     except BenchError as exc:
         text = str(exc)
         return {**row, "done": 0, "failed": work.requests, "error": text,

@@ -42,3 +42,31 @@ def test_every_shape_gets_its_rows_and_each_load_is_compared_on_its_own_machine(
     for large, load in zip(rows[0::2], rows[1::2], strict=True):
         assert large["machine"] == load["machine"]
         assert load["vs_large"] == pytest.approx(load["gbps"] / large["gbps"])
+
+
+def test_a_case_says_when_its_ranks_are_up_before_any_request() -> None:
+    """``run_case(ready=)`` is where the busy rows start their hogs: after every rank has
+    built its pools (under two hogs, on this VM, the decode ranks' first touch of theirs
+    took longer than the 120 s a rank has to start, and every busy load row failed), and
+    before the warm-up request, so that the requests all run on the busy machine."""
+    import multiprocessing as mp
+    import time
+
+    from xferkit.bench.handoff import Case, Workload, run_case
+    from xferkit.bench.models import PRESETS, shaped
+
+    p = PRESETS["tiny"]
+    specs = shaped(p, p.layers, (p.page, p.page), ("nhd", "nhd"))
+    seen: list[tuple[int, float]] = []
+
+    def ready() -> None:
+        seen.append((len(mp.active_children()), time.monotonic()))
+
+    work = Workload(specs, 64, (p.page, p.page), 3, 1, 1)
+    result = run_case(Case("loopback", (1, 2)), work, ready=ready)
+    assert len(seen) == 1, seen
+    alive, at = seen[0]
+    assert alive >= 3  # the prefill rank and both decode ranks
+    starts = [start for r in result.records for start, _ in r.decode + r.prefill]
+    assert len(result.records) == 4 and starts  # the warm-up and three measured
+    assert at < min(starts)

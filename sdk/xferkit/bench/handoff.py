@@ -235,9 +235,15 @@ class _Slots:
 
 
 def run_case(
-    case: Case, work: Workload, tick: Callable[[], None] = lambda: None, seed: int = 0
+    case: Case,
+    work: Workload,
+    tick: Callable[[], None] = lambda: None,
+    seed: int = 0,
+    ready: Callable[[], None] = lambda: None,
 ) -> CaseResult:
-    """Start the case's ranks, run one warm-up request and ``work.requests`` measured ones."""
+    """Start the case's ranks, run one warm-up request and ``work.requests`` measured ones.
+    ``ready`` runs once every rank is up, before the warm-up: where a busy machine's load
+    starts (the ranks' first touch of their pools took minutes here under it)."""
     n_src, n_dst = work.slot_counts()
     c = work.concurrency
     src_counts = {"kv": 2 * n_src, "state": 2}
@@ -247,6 +253,7 @@ def run_case(
     dst_counts = {p: n for p, n in dst_counts.items() if p in pools}
     cluster = Cluster(case, work, (src_counts, dst_counts))
     try:
+        ready()
         plans = _plans(cluster)
         runner = _Runner(cluster, work, plans, src_counts, dst_counts, seed)
         records = runner.run(tick)
