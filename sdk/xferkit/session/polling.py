@@ -1,10 +1,10 @@
 """How often the control thread polls a driver that offers no notification descriptor.
 
-NIXL has none: a decode rank waiting for writes polls its notifications. Every millisecond,
-while a request waited, was half the decode ranks' passes in the engine-shaped load on NIXL
-(a request queued behind a busy prefill waits seconds). The polls now back off while a pass
-finds nothing to do, and any message (a source's ``Poke`` as its write ends), command or
-notification brings them back to every ``POLL_S``.
+NIXL and Mooncake have none: a decode rank waiting for writes polls its notifications.
+Every millisecond, while a request waited, was almost half the decode ranks' passes in the
+engine-shaped load on NIXL (a request queued behind a busy prefill waits seconds). The
+polls now back off while a pass finds nothing to do, and any message (a source's ``Poke``
+as its write ends), command or notification brings them back to every ``POLL_S``.
 """
 
 from __future__ import annotations
