@@ -59,7 +59,9 @@ def test_a_decode_rank_waiting_on_a_quiet_prefill_polls_its_notifications_less_o
         dec.close()
     # About 1 / POLL_MAX_S a second; every millisecond before (about a thousand).
     assert idle < 0.6 / polling.POLL_S, f"{idle} polls in 1 s of a request waiting"
-    assert idle > 0.5 / polling.POLL_MAX_S, f"{idle} polls in 1 s: does it poll at all?"
+    # It still polls (a notification that came after its poke is found): a floor well below
+    # the 250 a second of an idle pass every POLL_MAX_S, so a loaded CI machine passes too.
+    assert idle > 0.1 / polling.POLL_MAX_S, f"{idle} polls in 1 s: does it poll at all?"
 
 
 @given(st.lists(st.booleans(), max_size=30))
