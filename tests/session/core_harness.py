@@ -78,9 +78,11 @@ class Write:
 class Net:
     """Prefill ``pre`` (address P) and decode ``dec`` (address D) cores, wired by hand."""
 
-    def __init__(self, staging_bytes: int = 0, **kw: Any) -> None:
+    def __init__(self, staging_bytes: int = 0, hold_connects: bool = False, **kw: Any) -> None:
         """``staging_bytes``: each side registers that much staging, in slices of a quarter,
-        and stages every chunk (``staging="always"``)."""
+        and stages every chunk (``staging="always"``). ``hold_connects``: the prefill's
+        driver connects only when the test says (``connect``)."""
+        self.hold_connects = hold_connects
         self.ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
         cores = []
         for address, rank, driver in (
@@ -130,8 +132,8 @@ class Net:
                     self.to_others.append((a.conn[1], a.msg))
             elif isinstance(a, act.Connect):
                 self.connects.append(a)
-                peer = ("peer", a.key)
-                self.apply("pre", self.pre.connected(a.key, peer, 1, "", self.now))
+                if not self.hold_connects:
+                    self.connect(a)
             elif isinstance(a, act.Post):
                 note = wire.decode_note(a.note) if a.note else None
                 self.writes[a.wid] = Write(a.wid, note.rid if note else "", a.peer, a.note)
@@ -203,6 +205,11 @@ class Net:
                 self.apply("dec", self.dec.receive(("group", "P"), msg, self.now))
             else:
                 return
+
+    def connect(self, a: act.Connect, error: str = "") -> None:
+        """The prefill's driver connected (or failed to) for ``a``."""
+        peer = None if error else ("peer", a.key)
+        self.apply("pre", self.pre.connected(a.key, peer, 1, error, self.now))
 
     def inject(self, ident: bytes, msg: wire.Message) -> None:
         """A message to the prefill core from another identity (a third peer)."""

@@ -8,6 +8,7 @@ script: ``python tests/session/session_rank.py``.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -215,7 +216,11 @@ def _cells(ref: Reference, index: int, slots: Slots) -> list[tuple[np.ndarray, n
 
 
 def serve() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if logs := os.environ.get("XK_RANK_LOGS"):  # a folder: each rank logs at INFO to its file
+        fmt = "%(asctime)s %(threadName)s %(message)s"
+        logging.basicConfig(level=logging.INFO, filename=f"{logs}/{os.getpid()}.log", format=fmt)
+    else:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     decoder = msgspec.json.Decoder(Command)
     session: Session | None = None
     ref: Reference | None = None

@@ -83,3 +83,47 @@ def test_a_bye_ends_only_the_handshake_of_the_connection_it_came_on() -> None:
     net.finish_all()
     net.deliver()
     assert on_p.state is State.DONE
+
+
+def test_a_prefill_slow_to_connect_its_driver_does_not_call_the_waiting_decode_rank_silent() -> (
+    None
+):
+    """A decode rank pings only once Welcomed, and the Welcome waits for the prefill's
+    driver to connect. Before, the prefill timed the new pair's silence from the Hello: a
+    connect that took ``dead_after_s`` (a busy data-plane worker; a lost SYN costs 1 s) lost
+    the pair on both sides, "sent nothing for 1.0 s" (a CI run of the hosts fault matrix, the
+    request after a cut was mended). Now the connect is bounded by handshake_timeout_s and
+    the silence counts from the Welcome."""
+    net = Net(hold_connects=True, heartbeat_s=0.2, dead_after_s=1.0, handshake_timeout_s=10.0)
+    recv = net.expect("r", {"kv": [1, 2]})
+    net.deliver()  # the Hello: the prefill's driver connects ...
+    net.advance(3.0)  # ... for three liveness bounds
+    assert recv.state is State.HANDSHAKING and recv.failing is None
+    assert b"D" in net.pre.pairs.downs
+    net.connect(net.connects[0])
+    net.deliver()  # the Welcome
+    net.advance(0.9)  # just inside dead_after_s of the Welcome, with no Ping through yet
+    send = net.offer("r")
+    net.write("r", {"kv": [1, 2]}, last=True)
+    net.finish_all()
+    net.deliver()
+    assert recv.state is State.DONE and send.state is State.DONE
+
+
+def test_a_prefill_whose_driver_never_connects_forgets_the_pair_within_the_handshake_bound() -> (
+    None
+):
+    """Nothing waits without a deadline: a connect that never returns costs the prefill its
+    pair after handshake_timeout_s (the decode rank gave up then too), and a connect that
+    comes back later is disconnected rather than Welcomed."""
+    net = Net(hold_connects=True, heartbeat_s=0.2, dead_after_s=1.0, handshake_timeout_s=4.0)
+    recv = net.expect("r", {"kv": [1]})
+    net.deliver()
+    net.advance(3.9)
+    assert b"D" in net.pre.pairs.downs and recv.state is State.HANDSHAKING
+    net.advance(0.3)
+    assert not net.pre.pairs.downs and not net.pre.pairs.down_drivers
+    assert recv.state is State.FAILED and recv.error is not None
+    assert "no handshake reply" in str(recv.error)
+    net.connect(net.connects[0])
+    assert not net.to_dec  # no Welcome for a pair forgotten

@@ -26,7 +26,7 @@ from session_rank import (
 
 from xferkit import Backend
 from xferkit.session import RequestError, Session, State
-from xferkit.session.pairs import Backoff
+from xferkit.session.backoff import Backoff
 from xferkit.testing import Reference, gdn_hybrid
 from xferkit.testing.mock import MockDriver
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
-import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +28,10 @@ from ..planner import Plan, plan
 from ..staging import FORCE, StagedPlan, stage
 from . import actions as act
 from . import wire
+from .backoff import Backoff
 from .core import MAX_PAIRS, Out, Settings, log
 from .states import PairEvent
 
-_RNG = random.Random()
 CACHED = 256 << 10
 """Manifests up to this size are decoded once for every pair that sends the same bytes (the
 ranks of a group, reconnects): a handshake's largest cost after its plan."""
@@ -110,25 +109,14 @@ class Down:
         self.writes = 0  # our writes to it still in the driver
         self.lost = False  # once lost: nothing more is written to it
 
+    @property
+    def connecting(self) -> bool:
+        """Our driver still connects to it (bounded by ``handshake_timeout_s``): it pings only
+        once Welcomed, so its silence says nothing yet."""
+        return not self.ready and self.error is None
+
     def where(self) -> str:
         return f"decode rank {self.place.tp_rank} ({self.place.address})"
-
-
-class Backoff:
-    """When a peer that failed may be tried again: exponential, bounded, reset by a Welcome."""
-
-    __slots__ = ("failures", "retry_at")
-
-    def __init__(self) -> None:
-        self.failures = 0
-        self.retry_at = 0.0
-
-    def failed(self, now: float, low: float, high: float, rng: random.Random = _RNG) -> float:
-        """Record one more failure; the delay before the next try (jittered, at most ``high``)."""
-        delay = min(high, low * 2.0**self.failures) * rng.uniform(0.5, 1.0)
-        self.failures += 1
-        self.retry_at = now + delay
-        return delay
 
 
 class Pairs:
@@ -304,7 +292,9 @@ class Pairs:
         self.out.add(act.Connect(ident, msg.endpoint, manifest))
         return down
 
-    def connected(self, ident: bytes, peer: Any, generation: int, error: str) -> Down | None:
+    def connected(
+        self, ident: bytes, peer: Any, generation: int, error: str, now: float
+    ) -> Down | None:
         """The data plane connected (or failed to) for ``ident``'s Hello: send the Welcome."""
         down = self.downs.get(ident)
         if down is None or down.ready or down.error is not None:
@@ -317,6 +307,7 @@ class Pairs:
             self._refuse(down, "handshake", why)
             return down
         down.peer, down.generation, down.ready = peer, generation, True
+        down.last_seen = now  # it pings once Welcomed: its silence counts from here
         self.out.send(down.conn, self._welcome())
         self.out.add(act.Paired(PairEvent("prefill", down.place.address, "up")))
         return down
@@ -378,15 +369,14 @@ class Pairs:
             elif now - up.last_ping >= s.heartbeat_s:
                 up.last_ping = now
                 self.out.send(up.conn, wire.Ping(incarnation=s.incarnation))
-        lost_downs = [
-            (
-                d,
-                f"{d.where()} sent nothing for {now - d.last_seen:.1f} s "
-                f"(dead_after_s={s.dead_after_s})",
-            )
-            for d in self.downs.values()
-            if now - d.last_seen > s.dead_after_s
-        ]
+        lost_downs = []
+        for d in self.downs.values():
+            if now - d.last_seen > (s.handshake_timeout_s if d.connecting else s.dead_after_s):
+                silent = (
+                    f"sent nothing for {now - d.last_seen:.1f} s (dead_after_s={s.dead_after_s})"
+                )
+                slow = f"was not connected to within handshake_timeout_s={s.handshake_timeout_s}"
+                lost_downs.append((d, f"{d.where()} {slow if d.connecting else silent}"))
         return lost_ups, lost_downs
 
     def next_deadline(self) -> float:
@@ -396,5 +386,8 @@ class Pairs:
             (up.last_ping + s.heartbeat_s) if up.ready else (up.hello_at + s.handshake_timeout_s)
             for up in self.ups.values()
         ]
-        times += [d.last_seen + s.dead_after_s for d in self.downs.values()]
+        times += [
+            d.last_seen + (s.handshake_timeout_s if d.connecting else s.dead_after_s)
+            for d in self.downs.values()
+        ]
         return min(times, default=float("inf"))

@@ -269,7 +269,7 @@ class Protocol:
         self, ident: bytes, peer: object, generation: int, error: str, now: float
     ) -> list[act.Action]:
         self._enter(now)
-        self.pairs.connected(ident, peer, generation, error)
+        self.pairs.connected(ident, peer, generation, error, now)
         return self.out.take()
 
     def fenced(self, source: str, error: str, endpoint: bytes, now: float) -> list[act.Action]:

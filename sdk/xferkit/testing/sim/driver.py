@@ -79,10 +79,11 @@ class Driver:
         return sum(1 for (pre, _), wr in self.writes.items() if pre == rank.name)
 
     def connect(self, rank: Rank, a: act.Connect) -> None:
-        """Connect to the rank whose driver the endpoint names (whoever sent it)."""
+        """Connect to the rank whose driver the endpoint names (whoever sent it); slowly now
+        and then, past a liveness bound (a busy data-plane worker, a lost SYN)."""
         name = endpoint_address(a.endpoint).removesuffix("-drv")
         dec = self.w.ranks.get(name)
-        t = self.w.now + self.w.rng.uniform(0.0001, 0.01)
+        t = self.w.now + self._busy()
         if name == HOSTILE:  # its own driver and memory: writes to it land nowhere we check
             self.w.to(rank, t, "connected", a.key, ("peer", HOSTILE, 0, 0), 1, "")
             return
@@ -94,9 +95,12 @@ class Driver:
 
     def fence(self, rank: Rank, source: str) -> None:
         """``rank``'s data-plane worker fences ``source`` (slowly now and then: a busy worker)."""
+        self.w.at(self.w.now + self._busy(), self._fence, rank, rank.incarnation, source)
+
+    def _busy(self) -> float:
+        """How long a call on a data-plane worker takes: mostly quick, a tenth up to 2 s."""
         rng = self.w.rng
-        t = self.w.now + (rng.uniform(0.0001, 0.01) if rng.random() < 0.9 else rng.uniform(0.01, 2))
-        self.w.at(t, self._fence, rank, rank.incarnation, source)
+        return rng.uniform(0.0001, 0.01) if rng.random() < 0.9 else rng.uniform(0.01, 2)
 
     def _fence(self, rank: Rank, inc: int, source: str) -> None:
         if rank.incarnation != inc or not rank.alive:
