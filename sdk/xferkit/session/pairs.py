@@ -105,7 +105,7 @@ class Down:
         self.staged: StagedPlan | None = None  # None: every chunk goes direct
         self.error: tuple[str, str] | None = None
         self.ready = False
-        self.last_seen = now
+        self.hello_at = self.last_seen = now
         self.writes = 0  # our writes to it still in the driver
         self.lost = False  # once lost: nothing more is written to it
 
@@ -371,7 +371,7 @@ class Pairs:
                 self.out.send(up.conn, wire.Ping(incarnation=s.incarnation))
         lost_downs = []
         for d in self.downs.values():
-            if now - d.last_seen > (s.handshake_timeout_s if d.connecting else s.dead_after_s):
+            if now > self._due(d):
                 silent = (
                     f"sent nothing for {now - d.last_seen:.1f} s (dead_after_s={s.dead_after_s})"
                 )
@@ -386,8 +386,11 @@ class Pairs:
             (up.last_ping + s.heartbeat_s) if up.ready else (up.hello_at + s.handshake_timeout_s)
             for up in self.ups.values()
         ]
-        times += [
-            d.last_seen + (s.handshake_timeout_s if d.connecting else s.dead_after_s)
-            for d in self.downs.values()
-        ]
+        times += [self._due(d) for d in self.downs.values()]
         return min(times, default=float("inf"))
+
+    def _due(self, d: Down) -> float:
+        """When ``d`` is lost unless it speaks: its connect counts from its Hello, whatever it
+        says meanwhile (a driver's connect that never returns still ends)."""
+        s = self.s
+        return d.hello_at + s.handshake_timeout_s if d.connecting else d.last_seen + s.dead_after_s
