@@ -167,7 +167,7 @@ def test_a_stalled_post_polls_without_blocking_and_a_timeout_is_not_a_failure() 
         t = pair.a.write(pair.peer, pair.descs(4, 512)[0])
         start = time.monotonic()
         states = {t.poll() for _ in range(1000)}
-        assert time.monotonic() - start < 0.25  # a poll that blocked would never come back
+        assert time.monotonic() - start < 5  # a poll that blocked would never come back
         assert states == {Status.PENDING}
         with pytest.raises(TransferError, match="still pending") as info:
             t.wait(0.05)

@@ -385,6 +385,15 @@ class RankProcess:
                 self.kill()
 
 
+def past_handshake(dec: RankProcess, rid: str, within: float = 10.0) -> str:
+    """``rid``'s state on ``dec`` once it is past its handshake (its Requests sent). A fixed
+    wait instead reads HANDSHAKING whenever a loaded machine slows a pair's first connect."""
+    deadline = time.monotonic() + within
+    while (state := dec.ok(Wait(rid, 0.05)).state) == "HANDSHAKING":
+        assert time.monotonic() < deadline, f"{rid} never got past its handshake"
+    return state
+
+
 def start(setups: list[Setup]) -> list[RankProcess]:
     """Start one process per setup (in parallel), set each up, return them with addresses."""
     procs = [RankProcess() for _ in setups]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from session_rank import Check, Expect, Offer, Setup, Wait, Write, start
+from session_rank import Check, Expect, Offer, Setup, Wait, Write, past_handshake, start
 
 import xferkit as xk
 from xferkit import XferError
@@ -29,14 +29,14 @@ def test_a_sigkilled_prefill_fails_the_decode_request_within_the_deadline() -> N
     try:
         dec.ok(Expect("r", [pre.address], {"kv": [1, 2]}))
         pre.ok(Offer("r"))
-        assert dec.ok(Wait("r", 0.3)).state == "WAITING"
+        assert past_handshake(dec, "r") == "WAITING"
         pre.kill()
         killed = time.monotonic()
         reply = dec.ok(Wait("r", 5))
         took = time.monotonic() - killed
         assert reply.state == "FAILED" and reply.stage == "peer lost", reply
         assert pre.address in reply.error and "prefill rank 0" in reply.error
-        assert took < FAST["dead_after_s"] + 1.0, took
+        assert took < 4 * FAST["dead_after_s"], took  # not request_timeout_s (60 s)
         dec.ok(Check({}))  # nothing landed
     finally:
         pre.close()
@@ -48,13 +48,13 @@ def test_a_sigkilled_decode_fails_the_prefill_request_within_the_deadline() -> N
     try:
         dec.ok(Expect("r", [pre.address], {"kv": [1, 2]}))
         pre.ok(Offer("r"))
-        assert dec.ok(Wait("r", 0.3)).state == "WAITING"
+        assert past_handshake(dec, "r") == "WAITING"
         dec.kill()
         killed = time.monotonic()
         reply = pre.ok(Wait("r", 5))
         assert reply.state == "FAILED" and reply.stage == "peer lost", reply
         assert "decode rank 0" in reply.error and "sent nothing" in reply.error
-        assert time.monotonic() - killed < FAST["dead_after_s"] + 1.0
+        assert time.monotonic() - killed < 4 * FAST["dead_after_s"]  # not request_timeout_s
     finally:
         pre.close()
         dec.close()
@@ -70,7 +70,7 @@ def test_a_restarted_prefill_serves_the_next_request() -> None:
     try:
         dec.ok(Expect("r1", [pre.address], {"kv": [1]}))
         pre.ok(Offer("r1"))
-        assert dec.ok(Wait("r1", 0.3)).state == "WAITING"
+        assert past_handshake(dec, "r1") == "WAITING"
         pre.kill()
         assert dec.ok(Wait("r1", 5)).stage == "peer lost"
         (pre,) = start([Setup("src", 0, 1, 1, session=FAST, bind=bind)])
@@ -89,7 +89,7 @@ def test_closing_the_decode_session_fails_the_prefill_request_with_its_text() ->
     try:
         dec.ok(Expect("r", [pre.address], {"kv": [1]}))
         pre.ok(Offer("r"))
-        assert dec.ok(Wait("r", 0.3)).state == "WAITING"
+        assert past_handshake(dec, "r") == "WAITING"
         dec.close()
         reply = pre.ok(Wait("r", 5))
         assert reply.state == "FAILED" and reply.stage == "closed", reply

@@ -14,24 +14,17 @@ from session_rank import (
     Fill,
     Landed,
     Offer,
-    RankProcess,
     Setup,
     Stray,
     Wait,
     Write,
+    past_handshake,
     ranks,
 )
 
 FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "handshake_timeout_s": 3.0}
 SLOTS = {"kv": 32, "state": 8}
 KV = list(range(24))  # 1 MiB a page: 24 MiB, about 130 ms on this driver's wire
-
-
-def _paired(dec: RankProcess, rid: str) -> None:
-    """Until ``rid`` is past its handshake on the decode rank (its Requests sent)."""
-    deadline = time.monotonic() + 10
-    while dec.ok(Wait(rid, 0.05)).state == "HANDSHAKING":
-        assert time.monotonic() < deadline, f"{rid} never got past its handshake"
 
 
 def test_a_frozen_prefill_is_fenced_failed_at_once_and_lands_nothing_when_it_wakes() -> None:
@@ -47,7 +40,7 @@ def test_a_frozen_prefill_is_fenced_failed_at_once_and_lands_nothing_when_it_wak
     with ranks(pre_setup, dec_setup) as (pre, dec):
         dec.ok(Expect("r", [pre.address], {"kv": KV}))
         pre.ok(Offer("r"))
-        _paired(dec, "r")
+        past_handshake(dec, "r")
         pre.ok(Write("r", {"kv": KV}, last=True))  # posted: the sender's thread streams it
         time.sleep(0.03)
         os.kill(pre.proc.pid, signal.SIGSTOP)
@@ -98,8 +91,8 @@ def test_a_fence_that_cuts_every_source_fails_the_others_requests_and_they_pair_
         dec.ok(Expect("r", [lost.address], {"kv": [4]}))
         dec.ok(Expect("cut", [other.address], {"kv": [5]}))
         other.ok(Offer("cut"))  # its data is not written yet
-        _paired(dec, "r")
-        _paired(dec, "cut")
+        past_handshake(dec, "r")
+        past_handshake(dec, "cut")
         os.kill(lost.proc.pid, signal.SIGSTOP)
         try:
             stopped = time.monotonic()

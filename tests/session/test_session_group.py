@@ -21,6 +21,7 @@ from session_rank import (
     Setup,
     Wait,
     Write,
+    past_handshake,
     start,
 )
 
@@ -80,7 +81,7 @@ def test_a_restarted_group_rank_serves_the_next_request_after_backoff() -> None:
     try:
         dec[0].ok(Expect("r1", [group], {"kv": [1]}))
         pre[0].ok(Offer("r1"))
-        assert dec[0].ok(Wait("r1", 0.5)).state == "WAITING"
+        assert past_handshake(dec[0], "r1") == "WAITING"
         pre[1].kill()
         failed = dec[0].ok(Wait("r1", 5))
         assert failed.state == "FAILED" and failed.stage == "peer lost", failed
@@ -119,16 +120,18 @@ def test_an_incomplete_group_fails_the_request_naming_the_missing_ranks() -> Non
 def test_a_renewed_hold_outlives_its_lease_and_is_written_when_claimed() -> None:
     pre, dec = start(
         [
-            Setup("src", 0, 1, 1, session={**FAST, "lease_s": 0.5}),
+            Setup("src", 0, 1, 1, session={**FAST, "lease_s": 1.5}),
             Setup("dst", 0, 1, 1, session=FAST),
         ]
     )
     try:
         pre.ok(Offer("r"))
         pre.ok(Write("r", {"kv": [7], "state": [3]}, last=True))  # prefill finished first
-        for _ in range(6):  # 1.2 s, over twice the lease
+        # The first Renew waits for the pair's handshake: a lease of 1.5 s leaves room for a
+        # loaded machine's. 3.6 s, over twice the lease.
+        for _ in range(12):
             dec.ok(Renew("r", [pre.address]))
-            time.sleep(0.2)
+            time.sleep(0.3)
         assert pre.ok(Wait("r", 0.01)).state == "WAITING"
         dec.ok(Expect("r", [pre.address], {"kv": [2], "state": [0]}))
         assert dec.ok(Wait("r", 5)).state == "DONE"

@@ -25,6 +25,7 @@ from session_rank import (
     Verify,
     Wait,
     Write,
+    past_handshake,
     ranks,
 )
 
@@ -36,16 +37,6 @@ FORGED = "forged by the attacker"
 
 def _pair() -> tuple[Setup, Setup]:
     return Setup("src", 0, 1, 1, session=FAST), Setup("dst", 0, 1, 1, session=FAST)
-
-
-def _waiting(dec: RankProcess, rid: str) -> None:
-    """Until ``rid`` is WAITING on the decode rank (its Requests sent), at most 5 s."""
-    for _ in range(50):
-        state = dec.ok(Wait(rid, 0.1)).state
-        if state == "WAITING":
-            return
-        assert state == "HANDSHAKING", state
-    raise AssertionError(f"{rid} never got past its handshake")
 
 
 def _honest(
@@ -82,7 +73,7 @@ def test_a_third_partys_abort_or_fail_cannot_touch_another_pairs_request(forge: 
         assert welcome is not None and not welcome.error, welcome
         dec.ok(Expect("r", [pre.address], {"kv": [4, 5]}))
         pre.ok(Offer("r"))
-        _waiting(dec, "r")  # its Requests are sent
+        assert past_handshake(dec, "r") == "WAITING"  # its Requests are sent
         for gen in range(1, 21):  # whatever generation the honest rank gave it
             (conn.abort if forge == "abort" else conn.fail)("r", gen, FORGED)
         if forge == "abort":
@@ -128,7 +119,7 @@ def test_a_prefill_rank_the_request_never_named_cannot_fail_it() -> None:
         assert fake.next(wire.Request) is not None  # the pair is up: the decoy was asked for
         dec.ok(Expect("r", [pre.address], {"kv": [4, 5]}))
         pre.ok(Offer("r"))
-        _waiting(dec, "r")  # its Requests are sent
+        assert past_handshake(dec, "r") == "WAITING"  # its Requests are sent
         for gen in range(1, 21):
             fake.fail(ident, "r", gen, FORGED)
         assert dec.ok(Wait("r", 0.3)).state == "WAITING", "the forged Fail was applied"
@@ -255,7 +246,7 @@ def test_a_prefill_paused_past_dead_after_never_writes_into_reused_slots() -> No
     with ranks(Setup("src", 0, 1, 1, session=patient), _pair()[1]) as (pre, dec):
         dec.ok(Expect("r", [pre.address], {"kv": [4, 5]}))
         pre.ok(Offer("r"))
-        _waiting(dec, "r")  # its Requests are sent
+        assert past_handshake(dec, "r") == "WAITING"  # its Requests are sent
         os.kill(pre.proc.pid, signal.SIGSTOP)
         try:
             pre.send(Write("r", {"kv": [0, 1]}, last=True))  # handled at SIGCONT

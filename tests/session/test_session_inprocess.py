@@ -175,11 +175,11 @@ def test_a_driver_that_works_inside_its_post_never_silences_the_heartbeats() -> 
         return None
 
     ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
-    options = {"heartbeat_s": 0.1, "dead_after_s": 0.6}
+    options = {"heartbeat_s": 0.2, "dead_after_s": 1.2}  # a loaded CI machine stalls for 0.6 s
     pre = Session(Backend(MockDriver(slow_posts)), ref.srcs[0].manifest, **options)  # type: ignore[arg-type]
     dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, **options)  # type: ignore[arg-type]
     try:
-        rids = [f"r{i}" for i in range(30)]  # 30 posts of 50 ms: 1.5 s of driver work
+        rids = [f"r{i}" for i in range(60)]  # 60 posts of 50 ms: 3 s of driver work
         sends = [pre.offer(rid) for rid in rids]
         for s in sends:
             s.write({"kv": [1]}, last=True)
@@ -195,19 +195,30 @@ def test_a_driver_that_works_inside_its_post_never_silences_the_heartbeats() -> 
         dec.close()
 
 
+def _loaded_machine(monkeypatch: pytest.MonkeyPatch, slow_s: float) -> None:
+    """Thresholds a loaded CI machine cannot cross by chance: a quick call is one under 20 ms
+    (a preemption took a mock's post past 0.5 ms), and the worker keeps slow calls for
+    ``slow_s``. The tests' slow calls take 50 ms."""
+    monkeypatch.setattr(dataplane, "INLINE_S", 0.02)
+    monkeypatch.setattr(dataplane, "SLOW_S", slow_s)
+
+
 @pytest.mark.parametrize("slow", [1, 3])
-def test_only_posts_slow_in_a_row_go_to_the_data_plane_worker(slow: int) -> None:
-    """A driver slow inside its post (``slow`` posts of 5 ms) sends the next second of posts
-    to the worker only when ``dataplane.SLOW_POSTS`` in a row were slow. Before, one slow post
-    (a preemption, a garbage collection) did: measured on the loopback, a third of the one-page
-    posts of bench_session.py took the worker's extra hop."""
+def test_only_posts_slow_in_a_row_go_to_the_data_plane_worker(
+    slow: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver slow inside its post (``slow`` posts of 50 ms) sends the next posts to the
+    worker for a while only when ``dataplane.SLOW_POSTS`` in a row were slow. Before, one slow
+    post (a preemption, a garbage collection) did: measured on the loopback, a third of the
+    one-page posts of bench_session.py took the worker's extra hop."""
+    _loaded_machine(monkeypatch, slow_s=5.0)
     threads: list[str] = []
 
     def record(call: Call) -> str | None:
         if call.op == "post":
             threads.append(threading.current_thread().name)
             if call.count <= slow:
-                time.sleep(0.005)
+                time.sleep(0.05)
         return None
 
     _, pre, dec = _pair(MockDriver(record), MockDriver())
@@ -241,7 +252,7 @@ class _Seen(QueuedBatch):
 class _Waking(MockDriver):
     """The mock's copies on a worker thread of its own, whose batches wake their poller
     (``Posted.on_end``, as the loopback's and Mooncake's do); the first ``slow`` posts take
-    5 ms inside the call."""
+    50 ms inside the call."""
 
     def __init__(self, slow: int = 0) -> None:
         super().__init__()
@@ -251,7 +262,7 @@ class _Waking(MockDriver):
 
     def post(self, link: Any, descs: Descriptors, notify: bytes | None) -> Posted:
         if len(self.batches) < self.slow:
-            time.sleep(0.005)
+            time.sleep(0.05)
         batch = _Seen(descs, notify, link)
         self.batches.append(batch)
         self._worker.post(batch)
@@ -277,6 +288,7 @@ def test_a_write_whose_driver_wakes_us_is_polled_on_the_control_thread(
     # The worker's deadline check polls a write older than CHECK_S too: on a loaded CI
     # machine one took that long to reach the control thread and the check read its DONE.
     monkeypatch.setattr(dataplane, "CHECK_S", 30.0)
+    _loaded_machine(monkeypatch, slow_s=2.0)
     driver = _Waking(slow)
     _, pre, dec = _pair(driver, MockDriver())
 
@@ -303,7 +315,7 @@ def test_a_write_whose_driver_wakes_us_is_polled_on_the_control_thread(
         }, batch.polls
     for n, batch in enumerate(driver.batches[:6]):
         ended = {name.split("-")[1] for name, st in batch.polls if st is Status.DONE}
-        # The first post may wait for the worker (behind the Connect): its 5 ms are not
+        # The first post may wait for the worker (behind the Connect): its 50 ms are not
         # counted, so slow inline posts in a row begin with the first or the second.
         if slow and n >= slow:  # posted, and polled, by the worker
             assert ended == {"data"}, (n, batch.polls)
@@ -422,7 +434,7 @@ def test_a_burst_of_slow_commands_never_silences_the_heartbeats() -> None:
     two cores kept busy). A pass of the loop now spends at most ``shell.BUDGET_S`` on
     commands before it reads its sockets and runs its timers."""
     ref = Reference(gdn_hybrid(), src_tp=1, dst_tp=1, src_slots=SLOTS, dst_slots=SLOTS)
-    options = {"heartbeat_s": 0.1, "dead_after_s": 0.6}
+    options = {"heartbeat_s": 0.2, "dead_after_s": 1.2}  # a loaded CI machine stalls for 0.6 s
     pre = Session(Backend(MockDriver()), ref.srcs[0].manifest, **options)  # type: ignore[arg-type]
     dec = Session(Backend(MockDriver()), ref.dsts[0].manifest, **options)  # type: ignore[arg-type]
     try:
@@ -438,7 +450,7 @@ def test_a_burst_of_slow_commands_never_silences_the_heartbeats() -> None:
             return offer(*args)  # type: ignore[arg-type]
 
         core.offer = slow_offer  # type: ignore[method-assign, assignment]
-        burst = [pre.offer(f"b{i}") for i in range(300)]  # 1.5 s of commands, queued at once
+        burst = [pre.offer(f"b{i}") for i in range(600)]  # 3 s of commands, queued at once
         last = pre.offer("after")
         last.write({"kv": [1]}, last=True)
         assert waiting.wait(20) is State.DONE and last.wait(20) is State.DONE

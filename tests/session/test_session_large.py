@@ -102,7 +102,7 @@ def test_a_prefill_sigkilled_mid_transfer_fails_the_request_within_the_deadline(
     took = time.monotonic() - killed
     assert (reply.state, reply.stage) == ("FAILED", "peer lost"), reply
     assert pre.address in reply.error and "prefill rank 0" in reply.error, reply.error
-    assert took < FAST["dead_after_s"] + 1.0, took
+    assert took < 4 * FAST["dead_after_s"], took  # not request_timeout_s (60 s)
     # Nothing hangs: the decode rank answers and closes promptly.
     assert dec.ok(Wait("big", 0.1)).state == "FAILED"
     closing = time.monotonic()

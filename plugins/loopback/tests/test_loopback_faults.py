@@ -137,7 +137,7 @@ def test_a_stalled_post_polls_without_blocking_and_close_frees_the_worker(
     t = pair.a.write(pair.peer, pair.descs(4, 512)[0])
     start = time.monotonic()
     states = {t.poll() for _ in range(1000)}
-    assert time.monotonic() - start < 0.25  # a poll that blocked would never come back
+    assert time.monotonic() - start < 5  # a poll that blocked would never come back
     assert states == {Status.PENDING}
     start = time.monotonic()
     pair.a.close()
