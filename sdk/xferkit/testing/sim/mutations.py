@@ -338,6 +338,21 @@ MUTATIONS = (
         config=(("decode_pp", 2),),
     ),
     Mutation(
+        "connecting-pair-silent",
+        "row 26: the prefill times a pair its driver still connects to by dead_after_s, though "
+        "the decode rank pings only once Welcomed",
+        (
+            Edit(
+                Pairs,
+                "_due",
+                "return d.hello_at + s.handshake_timeout_s if d.connecting else",
+                "return",
+            ),
+        ),
+        faults=frozenset(),  # a slow connect alone fails a request (invariant 8)
+        config=(("heartbeat_s", 0.5), ("dead_after_s", 1.5)),
+    ),
+    Mutation(
         "refused-hello-kept",
         "row 10: a refused pair keeps what its Hello brought (its plan of the peer's manifest)",
         (Edit(Pairs, "_refuse", "down.plan = down.staged = None", "pass"),),
