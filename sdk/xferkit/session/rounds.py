@@ -62,14 +62,26 @@ class Staging:
         return Arena(self.addr if size else 0, size, slice_bytes if size else 0)
 
 
+HOST_PAGE = 4096
+HOST_OFFSET = 2048
+"""Host staging starts this far past a page boundary. glibc's ``memcpy`` (``rep movsb``, for
+pieces of a few KiB and more) runs at a third of its speed on this AMD EPYC when the
+destination lies 1-31 bytes ahead of the source modulo 4 KiB; pools sit at 0 (page-aligned,
+pinned or mapped), 16 (numpy) or 64 (torch) past a page, and whole pages staged keep
+staging's offset, so half a page keeps every pack and unpack clear of it
+(docs/performance.md)."""
+
+
 def _allocate(nbytes: int, device: str) -> tuple[Any, int]:
     """``nbytes`` of memory on ``device`` (faulted in on the host), and its address; an
     ``ArgumentError`` naming ``staging_bytes`` when the machine cannot hold it."""
     try:
         if device == "cpu" or not nbytes:
-            host = np.empty(nbytes, dtype=np.uint8)
+            raw = np.empty(nbytes + HOST_PAGE, dtype=np.uint8)
+            skip = (HOST_OFFSET - int(raw.ctypes.data)) % HOST_PAGE
+            host = raw[skip : skip + nbytes]
             if nbytes:
-                host[::4096] = 0  # fault it in now rather than on the first request
+                host[::HOST_PAGE] = 0  # fault it in now rather than on the first request
             return host, int(host.ctypes.data)
         import torch  # only a device copier leads here, and it imported torch already
 
