@@ -29,6 +29,7 @@ from ..testing.reference import RegionSpec
 from .errors import CHECK, DRIVER, FAILED, USAGE, BenchError
 from .rank import RankSetup, serve
 from .record import Record, summary
+from .starting import wait_start
 
 Slots = dict[str, list[int]]
 
@@ -144,7 +145,10 @@ class Cluster:
             for r in self.ranks:
                 r.proc.start()
             for r in self.ranks:
-                msg = self._recv(r, 120.0)
+                why = wait_start(r.conn, r.proc.pid)
+                if why is not None:
+                    raise BenchError(FAILED, f"{r.name} {why}")
+                msg = self._recv(r, 0.0)
                 if msg[0] == "error":
                     kind = msg[1].partition(":")[0]
                     code = _START_ERRORS.get(kind, FAILED)
