@@ -138,8 +138,8 @@ class Cluster:
                         session, keys, work.verify, work.debug,
                     )  # fmt: skip
                     ours, theirs = ctx.Pipe()
-                    proc = ctx.Process(target=serve, args=(theirs, setup), daemon=True)
                     name = f"{role} rank {p * tp + t}" + (f" (pp {p} tp {t})" if pp > 1 else "")
+                    proc = ctx.Process(target=serve, args=(theirs, setup), daemon=True, name=name)
                     out.append(_Proc(name, ours, proc))
         try:
             for r in self.ranks:
