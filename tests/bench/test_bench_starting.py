@@ -43,7 +43,7 @@ def _child(target: Callable[[Connection, int], None], steps: int = 0) -> Iterato
 def test_a_rank_whose_memory_grows_is_waited_for_past_the_stall_bound() -> None:
     with _child(_grows_then_answers, steps=12) as (conn, proc):  # about 1.8 s of growth
         began = time.monotonic()
-        assert wait_start(conn, proc.pid, stall_s=0.6, cap_s=30) is None
+        assert wait_start(conn, proc, stall_s=0.6, cap_s=30) is None
         assert time.monotonic() - began > 0.6  # a fixed 0.6 s deadline would have failed it
         assert conn.recv() == "ready"
         assert resident_bytes(proc.pid) >= 12 * GROW
@@ -52,7 +52,7 @@ def test_a_rank_whose_memory_grows_is_waited_for_past_the_stall_bound() -> None:
 def test_a_rank_that_neither_answers_nor_grows_is_given_up_on_after_the_stall_bound() -> None:
     with _child(_sleeps) as (conn, proc):
         began = time.monotonic()
-        why = wait_start(conn, proc.pid, stall_s=0.5, cap_s=30)
+        why = wait_start(conn, proc, stall_s=0.5, cap_s=30)
         took = time.monotonic() - began
     assert why is not None and why.endswith("not growing for the last 0.5 s"), why
     assert 0.5 <= took < 5, took
@@ -61,10 +61,24 @@ def test_a_rank_that_neither_answers_nor_grows_is_given_up_on_after_the_stall_bo
 def test_the_cap_holds_however_the_rank_grows() -> None:
     with _child(_grows_then_answers, steps=200) as (conn, proc):
         began = time.monotonic()
-        why = wait_start(conn, proc.pid, stall_s=0.6, cap_s=1.2)
+        why = wait_start(conn, proc, stall_s=0.6, cap_s=1.2)
         took = time.monotonic() - began
     assert why == "did not answer within 1.2 s", why
     assert 1.2 <= took < 5, took
+
+
+def _exits(conn: Connection, steps: int) -> None:
+    time.sleep(0.3)
+
+
+def test_a_rank_that_exits_without_answering_is_reported_at_once() -> None:
+    """Its end of the pipe may stay open in the parent: no EOF would tell."""
+    with _child(_exits) as (conn, proc):
+        began = time.monotonic()
+        why = wait_start(conn, proc, stall_s=30, cap_s=60)
+        took = time.monotonic() - began
+    assert why == "exited (code 0) before it answered", why
+    assert took < 5, took
 
 
 def test_a_process_that_is_gone_reads_as_no_memory() -> None:

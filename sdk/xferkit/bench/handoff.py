@@ -145,7 +145,7 @@ class Cluster:
             for r in self.ranks:
                 r.proc.start()
             for r in self.ranks:
-                why = wait_start(r.conn, r.proc.pid)
+                why = wait_start(r.conn, r.proc)
                 if why is not None:
                     raise BenchError(FAILED, f"{r.name} {why}")
                 msg = self._recv(r, 0.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from multiprocessing.connection import Connection
-from typing import Final
+from typing import Final, Protocol
 
 STALL_S: Final = 120.0
 """No answer and no growth of the rank's resident memory for this long: it is stuck."""
@@ -33,15 +33,24 @@ def resident_bytes(pid: int | None) -> int:
         return 0
 
 
+class Process(Protocol):
+    pid: int | None
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+
+
 def wait_start(
-    conn: Connection, pid: int | None, *, stall_s: float = STALL_S, cap_s: float = CAP_S
+    conn: Connection, proc: Process, *, stall_s: float = STALL_S, cap_s: float = CAP_S
 ) -> str | None:
     """Wait until ``conn`` has something to read; None once it has, else why it gave up
-    (for the caller's error): ``stall_s`` passed with no answer and the process's resident
-    memory no larger, or ``cap_s`` passed in all."""
+    (for the caller's error): the process ended, ``stall_s`` passed with no answer and its
+    resident memory no larger, or ``cap_s`` passed in all."""
     began = time.monotonic()
-    quiet_since, most = began, resident_bytes(pid)
+    quiet_since, most = began, resident_bytes(proc.pid)
     while True:
+        if not proc.is_alive() and not conn.poll(0):
+            return f"exited (code {proc.exitcode}) before it answered"
         now = time.monotonic()
         if now - began >= cap_s:
             return f"did not answer within {cap_s:g} s"
@@ -53,6 +62,6 @@ def wait_start(
         left = min(quiet_since + stall_s, began + cap_s) - now
         if conn.poll(min(_STEP_S, left)):
             return None
-        size = resident_bytes(pid)
+        size = resident_bytes(proc.pid)
         if size >= most + _GROWTH:  # still faulting its pools in
             quiet_since, most = time.monotonic(), size
