@@ -18,6 +18,7 @@ from core_harness import settings as core_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from xferkit.manifest import STAGING_POOL
 from xferkit.session import wire
 from xferkit.session.actions import Send
 from xferkit.session.core import MAX_PAIRS, MAX_UNOFFERED_SLOTS
@@ -771,3 +772,29 @@ def test_a_poke_changes_nothing_on_the_decode_rank() -> None:
     net.finish_all()
     net.deliver()
     assert h.state is State.DONE
+
+
+@pytest.mark.parametrize("where", ["its kv pool", "past its staging's end"])
+def test_staging_offered_outside_the_decode_ranks_staging_is_refused_before_any_write(
+    where: str,
+) -> None:
+    """Before: the prefill rank took the piece a Request named on trust. One inside another
+    region the decode rank advertised (its KV pool) passed every bounds check, and staged
+    rounds landed in slots a stale or hostile offer never meant to give."""
+    net = Net(staging_bytes=1 << 16)
+    net.handshake()
+    regions = net.dec.s.manifest.regions
+    staging = next(r for r in regions if r.pool == STAGING_POOL)
+    kv = next(r for r in regions if r.pool == "kv" and r.nbytes >= 4096)
+    at = kv.addr if where == "its kv pool" else staging.addr + staging.nbytes - 64
+    net.offer("r")
+    net.write("r", {"kv": [3]}, last=True)
+    net.to_dec.clear()
+    msg = wire.Request(
+        rid="r", gen=7, needed=True, slots=wire.pack_slots({"kv": [5]}), registration=1,
+        staging=at, staging_bytes=4096,
+    )  # fmt: skip
+    net.inject(b"D", msg)  # on the decode rank's own connection
+    assert not [w for w in net.writes.values() if w.rid == "r"]  # nothing posted
+    (fail,) = [m for _, m in net.to_dec if isinstance(m, wire.Fail)]
+    assert fail.stage == "request" and "not within the staging it advertised" in fail.text

@@ -1,16 +1,15 @@
 """Outgoing requests (the prefill side): a ``Send`` per request, its chunks written as
 destinations are known.
 
-A decode rank's ``Request`` claims its place (TP rank, stage, from its Hello) in
-the request for its connection; only that connection may then abort, fail or
-unpack it. Each chunk of ``Send.write`` maps onto the next unfilled slots of
-each place, expanded through the pair's plan and posted (``Post``) with the
-completion tag on the notification. Chunks written before a decode rank asked
-are held (under a lease once the last is in), requests asked for before
-``offer`` within the ledger's bounds. A failing request cancels its writes and
-is settled, its ``Fail`` / ``AbortAck`` sent, once every write ended; where the
-driver's ends are not final, behind an ``Ended`` notification to each decode rank it
-wrote to, which lands after the last of those bytes (``Capabilities.ends_are_final``).
+A decode rank's ``Request`` claims its place (TP rank, stage, from its Hello) in the request
+for its connection; only that connection may then abort, fail or unpack it. Each chunk of
+``Send.write`` maps onto the next unfilled slots of each place, expanded through the pair's
+plan and posted (``Post``) with the completion tag on the notification. Chunks written
+before a decode rank asked are held (under a lease once the last is in), requests asked for
+before ``offer`` within the ledger's bounds. A failing request cancels its writes and is
+settled, its ``Fail`` / ``AbortAck`` sent, once every write ended; where the driver's ends
+are not final, behind an ``Ended`` notification to each decode rank it wrote to, which lands
+after the last of those bytes (``Capabilities.ends_are_final``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from .core import Out, Settings, log, remember, stage_text
 from .layerwise import pool_layers
 from .pairs import Down
 from .sends import Dst, Ledger, SendRec, refused_claim, reused, rid_of, stale, unpack_slots
-from .staged import Stager
+from .staged import Stager, check_offer
 from .states import RequestError, State
 
 _NOTHING = Descriptors.empty()
@@ -96,6 +95,7 @@ class Outgoing:
             return
         try:
             slots = unpack_slots(msg.slots)
+            check_offer(msg, down.manifest)
         except ProtocolError as exc:
             self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, str(exc)))
             return

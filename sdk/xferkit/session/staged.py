@@ -24,7 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..descriptors import Descriptors
-from ..errors import PlanError
+from ..errors import PlanError, ProtocolError
+from ..manifest import STAGING_POOL, Manifest
 from ..planner.expand import Layers
 from ..staging import StagedPlan, StagedRequest
 from . import wire
@@ -40,6 +41,22 @@ class Planned(NamedTuple):
     direct: Descriptors
     rounds: int
     staged_bytes: int
+
+
+def check_offer(msg: wire.Request, manifest: Manifest | None) -> None:
+    """A ``ProtocolError`` unless the piece of staging ``msg`` offers (if any) lies within the
+    staging region its decode rank advertised: a piece elsewhere, even in a region of its own
+    (a KV pool), would have staged rounds land in slots that the offer never gave."""
+    at, size = msg.staging, msg.staging_bytes
+    if not at:
+        return  # none offered: its chunks go direct
+    r = manifest.nearest(at) if manifest is not None else None  # O(log regions)
+    end = r.addr + r.nbytes if r is not None else 0
+    if r is not None and r.pool == STAGING_POOL and size > 0 and r.addr <= at <= end - size:
+        return
+    raise ProtocolError(
+        f"the staging it offered, [{at:#x}, +{size}), is not within the staging it advertised"
+    )
 
 
 def _bytes(req: StagedRequest) -> int:
