@@ -300,8 +300,10 @@ class Round:
                 )
         if only is not None and (not isinstance(only, str) or only not in ("send", "unpack")):
             raise PlanError(f"only must be None, 'send' or 'unpack', not {only!r}")
-        src, dst = np.uint64(int(src_stage)), np.uint64(int(dst_stage))
+        src, dst = int(src_stage), int(dst_stage)
         parts = [_expand_part(part, src, dst, only) for part in self._parts]
+        if len(parts) == 1:
+            return parts[0]  # an engine's usual chunk: one group (every layer's K and V)
         # Staging to staging ("both"; they come first) joins into one copy across groups;
         # a copy from or into slots joins only within its region (``_expand_part``).
         paths = [part.staged.path for part in self._parts]
@@ -392,17 +394,20 @@ def _greedy(parts: list[tuple[_RoutedGroup, PagePairs]], src_cap: int, dst_cap: 
     return rounds
 
 
-def _expand_part(
-    part: _Part, src_stage: np.uint64, dst_stage: np.uint64, only: Side | None
-) -> RoundCopies:
+_NONE = Descriptors.empty()  # what a side that copies nothing gets (nothing to write into)
+
+
+def _expand_part(part: _Part, src_stage: int, dst_stage: int, only: Side | None) -> RoundCopies:
     s, g = part.staged, part.staged.group
     send, unpack = only != "unpack", only != "send"
     src, dst = part.slots.offsets(g)
-    n = np.uint64(src.size)
-    units = np.arange(part.u0, part.u1, dtype=np.uint64)
-    region, slot = np.divmod(units, n)
-    block = (units - np.uint64(part.u0)) * np.uint64(s.unit)
-    none = Descriptors.empty()
+    n, u0, count = src.size, part.u0, part.u1 - part.u0
+    # Units run region-major over (region, slot pair): the part's units are a run of the outer
+    # sum of its regions' bases and its pairs' offsets (a broadcast add, no division).
+    r0, r1 = u0 // n, -(-part.u1 // n)
+    run = slice(u0 - r0 * n, part.u1 - r0 * n)
+    block = np.arange(count, dtype=np.uint64) * np.uint64(s.unit)
+    none = _NONE
     p = s.pieces
 
     def scatter(base: np.ndarray, local: _Local, stage: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -410,54 +415,53 @@ def _expand_part(
         return (
             (base[:, None] + local.slot[None, :]).ravel(),
             (stage[:, None] + local.block[None, :]).ravel(),
-            np.repeat(local.nbytes[None, :], units.size, axis=0).ravel(),  # np.tile, one C call
+            np.repeat(local.nbytes[None, :], count, axis=0).ravel(),  # np.tile, one C call
         )
 
-    def src_slot() -> np.ndarray:
-        return g.src_base[region] + src[slot]
+    def slots(bases: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return (bases[r0:r1, None] + offsets[None, :]).ravel()[run]
 
-    def dst_slot() -> np.ndarray:
-        return g.dst_base[region] + dst[slot]
-
-    def unit() -> np.ndarray:
-        return np.full(units.size, s.unit, dtype=np.uint64)
-
-    src_block = src_stage + np.uint64(part.src_at) + block
-    dst_block = dst_stage + np.uint64(part.dst_at) + block
+    src_block = block + np.uint64(src_stage + part.src_at)
+    dst_block = block + np.uint64(dst_stage + part.dst_at)
     pack = wire = unpacked = none
     if s.path == "pack":
         if send:
-            a, b, ln = scatter(src_slot(), s.packs, src_block)
+            src_slot = slots(g.src_base, src)
+            a, b, ln = scatter(src_slot, s.packs, src_block)
             pack = Descriptors(a, b, ln)
-            wire = _join(Descriptors(src_block, dst_slot() + p.dst[0], unit()), region)
+            wire = _wire(src_block, slots(g.dst_base, dst) + p.dst[0], s.unit, u0, n)
     elif s.path == "unpack":
         if send:
-            wire = _join(Descriptors(src_slot() + p.src[0], dst_block, unit()), region)
+            wire = _wire(slots(g.src_base, src) + p.src[0], dst_block, s.unit, u0, n)
         if unpack:
-            a, b, ln = scatter(dst_slot(), s.unpacks, dst_block)
+            a, b, ln = scatter(slots(g.dst_base, dst), s.unpacks, dst_block)
             unpacked = Descriptors(b, a, ln)
     else:
         if send:
-            a, b, ln = scatter(src_slot(), s.packs, src_block)
+            a, b, ln = scatter(slots(g.src_base, src), s.packs, src_block)
             # Consecutive blocks on both sides: the part's wire copies join into one.
-            size = np.uint64(units.size * s.unit)
-            wire = Descriptors(src_block[:1], dst_block[:1], np.full(1, size, dtype=np.uint64))
+            size = np.full(1, count * s.unit, dtype=np.uint64)
+            wire = Descriptors(src_block[:1], dst_block[:1], size)
             pack = Descriptors(a, b, ln)
         if unpack:
-            c, d, ln = scatter(dst_slot(), s.unpacks, dst_block)
+            c, d, ln = scatter(slots(g.dst_base, dst), s.unpacks, dst_block)
             unpacked = Descriptors(d, c, ln)
     return RoundCopies(pack, wire, unpacked)
 
 
-def _join(d: Descriptors, region: np.ndarray | None = None) -> Descriptors:
+def _wire(src: np.ndarray, dst: np.ndarray, unit: int, u0: int, n: int) -> Descriptors:
+    """One wire copy a unit, joined where contiguous on both sides but never across a region
+    (units ``u0``... run region-major over ``n`` slot pairs: each region's first starts one)."""
+    apart = np.zeros(src.size, dtype=bool)
+    apart[(-u0) % n :: n] = True
+    apart[0] = True
+    return _join(Descriptors(src, dst, np.full(src.size, unit, dtype=np.uint64)), apart)
+
+
+def _join(d: Descriptors, apart: np.ndarray | None = None) -> Descriptors:
     """Merge neighbours contiguous on both sides (consecutive staging blocks, runs of slots),
-    never across a change of ``region`` (each copy's region within its group): regions
-    laid end to end in memory are still registered one by one."""
-    apart = None
-    if region is not None and len(d) > 1:
-        apart = np.empty(len(d), dtype=bool)
-        apart[0] = True
-        np.not_equal(region[1:], region[:-1], out=apart[1:])
+    never into a copy ``apart`` marks (the first of a region within its group): regions laid
+    end to end in memory are still registered one by one."""
     src, dst, nbytes = merge_neighbours(d.src, d.dst, d.nbytes, apart)
     return d if src is d.src else Descriptors(src, dst, nbytes)
 

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from xferkit.copier import CPU
+from xferkit.descriptors import Descriptors
 from xferkit.driver import CONTRACT_VERSION
 from xferkit.endpoint import Envelope
 from xferkit.manifest import Manifest
@@ -72,6 +73,7 @@ class Write:
     rid: str
     peer: Any
     note: bytes | None
+    descs: Descriptors | None = None
     cancelled: bool = False
 
 
@@ -136,7 +138,7 @@ class Net:
                     self.connect(a)
             elif isinstance(a, act.Post):
                 note = wire.decode_note(a.note) if a.note else None
-                self.writes[a.wid] = Write(a.wid, note.rid if note else "", a.peer, a.note)
+                self.writes[a.wid] = Write(a.wid, note.rid if note else "", a.peer, a.note, a.descs)
             elif isinstance(a, act.Fence):
                 self.fences.append(a.source)
             elif isinstance(a, act.Cancel):

@@ -70,6 +70,11 @@ class Plan:
         self._origin = (src, dst)
 
     @property
+    def manifests(self) -> tuple[Manifest, Manifest]:
+        """The (source, destination) manifests planned over: what its descriptors are sealed to."""
+        return self._origin
+
+    @property
     def src_slots(self) -> Mapping[str, int]:
         """Slot count of each pool on the source (read-only: requests are checked against it)."""
         return self._slots.src

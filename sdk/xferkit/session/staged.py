@@ -59,6 +59,18 @@ def check_offer(msg: wire.Request, manifest: Manifest | None) -> None:
     )
 
 
+def _sealed(copies: Descriptors, dst: Dst) -> Descriptors:
+    """A round's wire copies sealed to the pair's manifests, as a plan seals direct writes, so
+    that the backend does not scan their bounds again (8% of a prefill rank's CPU under load):
+    their slots come from the plan's arithmetic, the source's halves from this rank's piece of
+    its staging, the decode rank's from the piece it offered, which ``check_offer`` bound
+    to the staging it advertised on arrival."""
+    plan = dst.down.plan
+    assert plan is not None  # a request is accepted on a pair that planned
+    whole = np.concatenate((copies.src, copies.dst, copies.nbytes))
+    return Descriptors.sealed_copy(whole, *plan.manifests)
+
+
 def _bytes(req: StagedRequest) -> int:
     return sum(max(r.src_bytes, r.dst_bytes) for r in req.rounds)
 
@@ -247,10 +259,10 @@ class Stager:
                 out.packed.clear()
                 if ready is None:
                     break
-                k, h, wire_copies = ready
+                k, h, copies = ready
                 layers = None if chunk.layers is None else sorted(chunk.layers)
                 r = wire.Round(chunk=chunk.index, index=k, at=chunk.at, half=h, layers=layers)
-                self._post(rec, dst, wire_copies, r)
+                self._post(rec, dst, _sealed(copies, dst), r)
             if out.complete == out.rounds and chunk.slice:
                 self._give(chunk)  # every round left it: another chunk may pack
             if out.finished and not chunk.slice:
