@@ -452,10 +452,13 @@ def _expand_part(part: _Part, src_stage: int, dst_stage: int, only: Side | None)
 def _wire(src: np.ndarray, dst: np.ndarray, unit: int, u0: int, n: int) -> Descriptors:
     """One wire copy a unit, joined where contiguous on both sides but never across a region
     (units ``u0``... run region-major over ``n`` slot pairs: each region's first starts one)."""
+    nbytes = np.full(src.size, unit, dtype=np.uint64)
+    if n == 1:  # a unit a region (a one-page chunk): nothing joins
+        return Descriptors(src, dst, nbytes)
     apart = np.zeros(src.size, dtype=bool)
     apart[(-u0) % n :: n] = True
     apart[0] = True
-    return _join(Descriptors(src, dst, np.full(src.size, unit, dtype=np.uint64)), apart)
+    return _join(Descriptors(src, dst, nbytes), apart)
 
 
 def _join(d: Descriptors, apart: np.ndarray | None = None) -> Descriptors:
