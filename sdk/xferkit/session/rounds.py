@@ -189,7 +189,7 @@ class Halves:
 
 
 class Pending(Protocol):
-    """A copy started elsewhere (a ``concurrent.futures.Future`` in the shell); its result
+    """A copy started elsewhere (a ``packer.Pack`` in the shell); its result
     may be when the copy began and ended, for the request's timeline."""
 
     def done(self) -> bool: ...
