@@ -198,7 +198,9 @@ def expand_groups(
 ) -> Descriptors:
     """Sealed descriptors of ``groups`` for checked page pairs (pools absent move nothing)."""
     chosen = [(g, pairs[g.pool]) for g in groups if g.pool in pairs]
-    if chosen and all(_one_copy(g, p) for g, p in chosen):
+    if not chosen:  # a chunk every group of which is staged: nothing goes direct
+        return Descriptors.sealed(0, *origin)
+    if all(_one_copy(g, p) for g, p in chosen):
         return _one_page_each(chosen, origin)
     parts = [_expand_group(g, p) for g, p in chosen]
     out = Descriptors.sealed(sum(count for count, _ in parts), *origin)
