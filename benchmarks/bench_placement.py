@@ -20,31 +20,25 @@ from report import Column, script, timed
 
 from xferkit.copier import copy_pieces
 from xferkit.manifest import Manifest
-from xferkit.session.rounds import HOST_PAGE, Staging
+from xferkit.session.rounds import HOST_PAGE, Staging, host_buffer
 
 MIB = 1 << 20
 PAGE = 16 << 10
 POOL = 512 * MIB
 
 
-def _at(nbytes: int, offset: int) -> np.ndarray:
-    """``nbytes`` of faulted-in host memory starting ``offset`` bytes past a page."""
-    raw = np.empty(nbytes + HOST_PAGE, dtype=np.uint8)
-    skip = (offset - int(raw.ctypes.data)) % HOST_PAGE
-    out = raw[skip : skip + nbytes]
-    out[::HOST_PAGE] = 1
-    return out
-
-
 def run(mib: int, repeat: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     nbytes = mib * MIB
-    stagings = {"Session": Staging(Manifest((), 0, 1), nbytes).buffer, "numpy": _at(nbytes, 16)}
+    stagings = {
+        "Session": Staging(Manifest((), 0, 1), nbytes).buffer,
+        "numpy": host_buffer(nbytes, 16),
+    }
     count = nbytes // PAGE
     lengths = np.full(count, PAGE, dtype=np.uint64)
     rows = []
     for pool_at in (0, 16, 64):
-        pool = _at(POOL, pool_at)
+        pool = host_buffer(POOL, pool_at)
         times: dict[tuple[str, str], list[float]] = {}
         for _ in range(repeat):  # alternating: the machine's drift hits both placements
             for name, staging in stagings.items():

@@ -72,16 +72,22 @@ staging's offset, so half a page keeps every pack and unpack clear of it
 (docs/performance.md)."""
 
 
+def host_buffer(nbytes: int, offset: int = HOST_OFFSET) -> np.ndarray:
+    """``nbytes`` of host memory starting ``offset`` bytes past a page, faulted in now rather
+    than on the first request (``bench_placement.py`` places its others with it)."""
+    raw = np.empty(nbytes + HOST_PAGE, dtype=np.uint8)
+    skip = (offset - int(raw.ctypes.data)) % HOST_PAGE
+    host = raw[skip : skip + nbytes]
+    host[::HOST_PAGE] = 0
+    return host
+
+
 def _allocate(nbytes: int, device: str) -> tuple[Any, int]:
     """``nbytes`` of memory on ``device`` (faulted in on the host), and its address; an
     ``ArgumentError`` naming ``staging_bytes`` when the machine cannot hold it."""
     try:
         if device == "cpu" or not nbytes:
-            raw = np.empty(nbytes + HOST_PAGE, dtype=np.uint8)
-            skip = (HOST_OFFSET - int(raw.ctypes.data)) % HOST_PAGE
-            host = raw[skip : skip + nbytes]
-            if nbytes:
-                host[::HOST_PAGE] = 0  # fault it in now rather than on the first request
+            host = host_buffer(nbytes)
             return host, int(host.ctypes.data)
         import torch  # only a device copier leads here, and it imported torch already
 
