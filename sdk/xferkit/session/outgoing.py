@@ -95,7 +95,7 @@ class Outgoing:
             return
         try:
             slots = unpack_slots(msg.slots)
-            check_offer(msg, down.manifest)
+            check_offer(msg, down.plan.manifests[1])
         except ProtocolError as exc:
             self._reply(down, rid, msg.gen, "request", stage_text(rid, "request", where, str(exc)))
             return

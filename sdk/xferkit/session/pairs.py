@@ -98,7 +98,6 @@ class Down:
         self.resume = hello.resume
         self.pokes = hello.pokes  # it polls its notifications: a Poke as each write ends
         self.driver_name = ""
-        self.manifest: Manifest | None = None  # what its Hello advertised, once accepted
         self.peer: Any = None
         self.generation = 0  # the decode rank's registration generation in its endpoint
         self.plan: Plan | None = None
@@ -271,8 +270,8 @@ class Pairs:
             del self.downs[ident]
             return None
         try:
-            down.manifest = manifest = decoded(msg.manifest)
-            down.plan = plan(self.s.manifest, manifest)
+            manifest = decoded(msg.manifest)
+            down.plan = plan(self.s.manifest, manifest)  # what its Hello advertised: ``manifests``
             if self.s.staging in FORCE:
                 down.staged = stage(
                     down.plan,

@@ -43,14 +43,14 @@ class Planned(NamedTuple):
     staged_bytes: int
 
 
-def check_offer(msg: wire.Request, manifest: Manifest | None) -> None:
+def check_offer(msg: wire.Request, manifest: Manifest) -> None:
     """A ``ProtocolError`` unless the piece of staging ``msg`` offers (if any) lies within the
     staging region its decode rank advertised: a piece elsewhere, even in a region of its own
     (a KV pool), would have staged rounds land in slots that the offer never gave."""
     at, size = msg.staging, msg.staging_bytes
     if not at:
         return  # none offered: its chunks go direct
-    r = manifest.nearest(at) if manifest is not None else None  # O(log regions)
+    r = manifest.nearest(at)  # O(log regions)
     end = r.addr + r.nbytes if r is not None else 0
     if r is not None and r.pool == STAGING_POOL and size > 0 and r.addr <= at <= end - size:
         return
