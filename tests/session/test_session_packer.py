@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,3 +76,33 @@ def test_stop_runs_what_is_queued_and_later_packs_are_refused() -> None:
     assert all(p.done() for p in packs) and (dst[:32] == src[:32]).all()
     with pytest.raises(RuntimeError, match="stopped"):
         packer.run("late", _copy(src, dst, [(0, 0, 8)]))
+
+
+def test_a_copier_raising_past_exception_leaves_the_worker_serving_later_packs() -> None:
+    """A BaseException from the copier (what a ``concurrent.futures`` worker also survives)
+    is raised from that pack's ``result``; the next pack still runs, so nothing waits on a
+    thread that died."""
+
+    class Interrupting:
+        device = "cpu"
+        calls = 0
+
+        def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+            Interrupting.calls += 1
+            if Interrupting.calls == 1:
+                raise KeyboardInterrupt
+            CPU.copy(src, dst, nbytes)
+
+    src = np.arange(16, dtype=np.uint8)
+    dst = np.zeros(16, dtype=np.uint8)
+    packer = Packer(Interrupting(), lambda _: None)
+    first = packer.run("r1", _copy(src, dst, [(0, 0, 8)]))
+    second = packer.run("r2", _copy(src, dst, [(8, 8, 8)]))
+    deadline = time.monotonic() + 10
+    while not second.done() and time.monotonic() < deadline:  # bounded: a dead worker fails
+        time.sleep(0.001)
+    assert second.done() and first.done()
+    assert second.result()[0] > 0 and (dst[8:] == src[8:]).all() and not dst[:8].any()
+    with pytest.raises(KeyboardInterrupt):
+        first.result()
+    packer.stop()

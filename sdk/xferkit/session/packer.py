@@ -35,7 +35,7 @@ class Pack:
         self.rid, self.descs = rid, descs
         self.ended = False  # set by the worker before it lets go of ``_ended``
         self._span = (0.0, 0.0)
-        self._error: Exception | None = None
+        self._error: BaseException | None = None
         self._ended = threading.Lock()
         self._ended.acquire()
 
@@ -75,8 +75,8 @@ class Packer:
             began = time.monotonic()
             try:
                 self._copier.copy(pack.descs.src, pack.descs.dst, pack.descs.nbytes)
-            except Exception as exc:  # the core fails the request with it (``ready``)
-                pack._error = exc
+            except BaseException as exc:  # the core fails the request with it (``ready``); the
+                pack._error = exc  # worker goes on, so no later pack waits on a dead thread
             pack._span = (began, time.monotonic())
             pack.ended = True
             pack._ended.release()
