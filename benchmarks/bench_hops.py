@@ -11,6 +11,14 @@ previous one (a request whose marks do not all come in that order is left out: t
 own are wrapped, so the same script measures older code (``PYTHONPATH`` naming its SDK
 and loopback plugin first). The wrapping itself adds about a tenth.
 
+Beside the hops, in the same run, what any control plane over ZMQ pays on this machine
+(``floor``): one message between two processes (half a DEALER/ROUTER round trip over TCP
+on 127.0.0.1, the receiver in ``zmq.Poller.poll`` as the Session's control thread is), a
+thread in ``zmq.Poller.poll`` woken through a socketpair (how an engine's call reaches the
+control thread), and a thread blocked on a lock woken by its release (how the end of a
+request reaches the engine's ``wait``). A Session's request crosses each at least once
+beyond a direct write, so their sum bounds from below what the control plane can cost here.
+
 Prints a table and writes benchmarks/results/hops.json.
 """
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import threading
 import time
@@ -123,12 +132,120 @@ def hops(requests: int) -> list[dict[str, Any]]:
     return [*rows, {"hop": "total (medians summed)", "us": total, "n": rows[0]["n"]}]
 
 
+def _echo(conn: Connection) -> None:
+    """A ROUTER that sends back whatever comes, until an empty message."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    conn.send(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    while True:
+        poller.poll(10_000)
+        ident, data = router.recv_multipart()
+        if not data:
+            break
+        router.send_multipart([ident, data])
+    router.close(0)
+    ctx.term()
+
+
+def _message_us(count: int) -> list[float]:
+    """Half of each DEALER/ROUTER round trip to another process, in us."""
+    here, there = mp.Pipe()
+    proc = mp.Process(target=_echo, args=(there,), daemon=True)
+    proc.start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(here.recv())
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    payload = bytes(200)  # about a Request's size
+    out = []
+    for i in range(count + 50):
+        t = time.perf_counter_ns()
+        dealer.send(payload)
+        poller.poll(10_000)
+        dealer.recv()
+        if i >= 50:  # warm
+            out.append((time.perf_counter_ns() - t) / 2e3)
+    dealer.send(b"")
+    proc.join(10)
+    dealer.close(0)
+    ctx.term()
+    return out
+
+
+def _poll_wake_us(count: int) -> list[float]:
+    """A thread in ``zmq.Poller.poll`` on a socketpair, woken by a byte: send to return."""
+    r, w = socket.socketpair()
+    poller = zmq.Poller()
+    poller.register(r.fileno(), zmq.POLLIN)
+    sent = [0]
+    out: list[float] = []
+    ready = threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(count):
+            ready.set()
+            poller.poll(10_000)
+            out.append((time.perf_counter_ns() - sent[0]) / 1e3)
+            r.recv(16)
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    for _ in range(count):
+        ready.wait()
+        ready.clear()
+        time.sleep(2e-4)  # let it block in poll
+        sent[0] = time.perf_counter_ns()
+        w.send(b"\0")
+    t.join()
+    r.close()
+    w.close()
+    return out
+
+
+def _lock_wake_us(count: int) -> list[float]:
+    """A thread blocked on a lock, woken by its release: release to the acquire's return."""
+    out: list[float] = []
+    released = [0]
+    for _ in range(count):
+        gate = threading.Lock()
+        gate.acquire()
+
+        def waiter(g: threading.Lock = gate) -> None:
+            g.acquire()
+            out.append((time.perf_counter_ns() - released[0]) / 1e3)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(2e-4)  # let it block
+        released[0] = time.perf_counter_ns()
+        gate.release()
+        t.join()
+    return out
+
+
+def floor(count: int) -> list[dict[str, Any]]:
+    """What any ZMQ control plane pays here, measured beside the hops."""
+    parts = [
+        ("floor: one ZMQ message, process to process (half a round trip)", _message_us),
+        ("floor: zmq.Poller.poll woken by a socketpair (engine -> control)", _poll_wake_us),
+        ("floor: a lock's waiter woken by its release (control -> engine)", _lock_wake_us),
+    ]
+    us = [statistics.median(f(count)) for _, f in parts]
+    rows = [{"hop": what, "us": t, "n": count} for (what, _), t in zip(parts, us, strict=True)]
+    total = sum(us)
+    return [*rows, {"hop": "floor: the three summed", "us": total, "n": count}]
+
+
 def main() -> None:
     args = parser("hops", __doc__)
     args.add_argument("--requests", type=int, default=500)
     a = args.parse_args()
     mp.set_start_method("spawn", force=True)
-    rows = hops(a.requests)
+    rows = hops(a.requests) + floor(a.requests)
     table(rows, [Column("hop", "hop", width=72, left=True), Column("us", "us", ".0f", 8),
                  Column("requests", "n", "", 9)])  # fmt: skip
     save(a.out, rows, requests=a.requests, sdk=os.path.dirname(xferkit.__file__))
