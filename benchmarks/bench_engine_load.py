@@ -111,6 +111,12 @@ def _get(key: str, spec: str) -> Any:
     return lambda r: format(r[key], spec) if key in r else "-"
 
 
+def _cpu_per_gb(r: dict[str, Any]) -> str:
+    """Every rank's CPU seconds per GB the row moved (``xferkit.bench.cpu``)."""
+    per = r.get("cpu_s_per_gb")
+    return "-" if not per else f"{per['all']:.2f}"
+
+
 def _staged(r: dict[str, Any]) -> str:
     if "staged_chunks" not in r:
         return "-"
@@ -132,6 +138,7 @@ COLUMNS = [
     Column("writes", _get("writes", "d"), width=7),
     Column("wait p99", _get("staging_wait_p99_ms", ".1f"), width=10),
     Column("vs 1 large", _get("vs_large", ".2f"), width=11),
+    Column("CPU s/GB", _cpu_per_gb, width=9),
     Column(" error", lambda r: " " + r["error"][:60], width=61, left=True),
 ]
 

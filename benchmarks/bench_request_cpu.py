@@ -8,52 +8,66 @@ chunks plus the state slot, no byte checks) with ``--tokens``-token requests twi
 ``--requests`` and six times as many, and reads each process's CPU (user and system,
 ``/proc``) from the moment its ranks are up to the last request's end. The difference
 over the extra requests is the CPU one request costs: per prefill rank and per decode
-rank (the mean over ranks), split into the rank's main thread (the bench's harness: what
-an engine's own thread calls, ``expect``, ``offer``, ``write``, ``wait``) and every other
-thread (the Session's and the driver's), and the coordinator's (the bench's own); beside
-them, the writes (driver posts) and staged chunks (chunk and decode rank pairs) of a
-request, all ranks together. Prints a table and writes benchmarks/results/request_cpu.json.
+rank (the mean over ranks), split by thread: the rank's main thread (``engine``: the
+bench's harness, what an engine's own thread calls, ``expect``, ``offer``, ``write``,
+``wait``), the Session's control thread, data-plane worker and pack worker, ZMQ's I/O
+threads, the bench rank's reporter, and the rest (``driver``: the driver's threads), read
+by the names the Session's threads give themselves at the OS; and the coordinator's (the
+bench's own). Beside them, the writes (driver posts) and staged chunks (chunk and decode
+rank pairs) of a request, all ranks together. Prints a table and writes
+benchmarks/results/request_cpu.json.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
-import os
 import time
 from typing import Any
 
 from report import Column, script
 
+from xferkit.bench import cpu
 from xferkit.bench.handoff import Case, Workload, run_case
 from xferkit.bench.models import PRESETS, shaped
 from xferkit.bench.record import summary
 
-TICK = os.sysconf("SC_CLK_TCK")
+KINDS = (  # (what a thread's OS name starts with, its column): the first match counts
+    ("main", "engine"),  # the rank's main thread: the engine's expect, offer, write, wait
+    ("xk-control", "control"),
+    ("xk-data", "data"),
+    ("xk-pack", "pack"),
+    ("ZMQbg", "zmq"),
+    ("bench-", "bench"),
+)
+"""The Session's threads name themselves at the OS (``xferkit.threadname``); every other
+thread of a rank, including any that ended, is the driver's (``all`` less these)."""
 
 
-def _cpu_s(pid: int, tid: int | None = None) -> float:
-    """User and system seconds of a process (every thread) or of one of its threads."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    with open(path) as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+def _kind(name: str) -> str | None:
+    return next((kind for prefix, kind in KINDS if name.startswith(prefix)), None)
 
 
-def _snapshot() -> dict[str, tuple[float, float]]:
-    """Rank name -> (all threads, main thread) CPU seconds; the coordinator's under ''."""
-    out = {"": (time.process_time(), time.process_time())}
+def _snapshot() -> dict[str, dict[str, float]]:
+    """Rank name -> CPU seconds per kind of thread and in all; the coordinator's under ''."""
+    out = {"": {"all": time.process_time()}}
     for proc in mp.active_children():
         if proc.pid is not None and " rank " in proc.name:
-            out[proc.name] = (_cpu_s(proc.pid), _cpu_s(proc.pid, proc.pid))
+            per: dict[str, float] = {"all": cpu.cpu_s(proc.pid) or 0.0}
+            for name, seconds in cpu.threads_s(proc.pid).items():
+                kind = _kind(name)
+                if kind is not None:
+                    per[kind] = per.get(kind, 0.0) + seconds
+            out[proc.name] = per
     return out
 
 
 def _measure(
     driver: str, work: Workload, tp: tuple[int, int]
-) -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
-    """CPU seconds per process from the ranks being up to the last request's end, and the
-    run's summary (its writes and staged chunks)."""
-    marks: list[dict[str, tuple[float, float]]] = []
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """CPU seconds per process and kind of thread from the ranks being up to the last
+    request's end, and the run's summary (its writes and staged chunks)."""
+    marks: list[dict[str, dict[str, float]]] = []
     ended = 0
 
     def tick() -> None:
@@ -64,8 +78,12 @@ def _measure(
 
     result = run_case(Case(driver, tp), work, tick=tick, ready=lambda: marks.append(_snapshot()))
     first, last = marks
-    cpu = {name: (last[name][0] - a, last[name][1] - m) for name, (a, m) in first.items()}
-    return cpu, summary(result.measured)
+    used = {
+        name: {k: last[name].get(k, 0.0) - v for k, v in per.items()}
+        | {k: last[name][k] for k in last[name].keys() - per.keys()}  # threads started since
+        for name, per in first.items()
+    }
+    return used, summary(result.measured)
 
 
 def run(
@@ -88,34 +106,53 @@ def run(
         extra = 5 * requests
         for role in ("prefill", "decode", "coordinator"):
             names = [n for n in few if (n.startswith(role) if n else role == "coordinator")]
-            total = sum(many[n][0] - few[n][0] for n in names) / len(names) / extra
-            main = sum(many[n][1] - few[n][1] for n in names) / len(names) / extra
-            rows.append(
-                {
-                    "driver": driver,
-                    "process": role if role == "coordinator" else f"{role} rank (mean)",
-                    "ranks": len(names) if role != "coordinator" else 1,
-                    "ms_per_request": total * 1e3,
-                    "main_ms": main * 1e3 if role != "coordinator" else float("nan"),
-                    "other_ms": (total - main) * 1e3 if role != "coordinator" else float("nan"),
-                    "writes_per_request": done["writes"] / done["requests"],
-                    "staged_per_request": done["staged_chunks"] / done["requests"],
-                    "tokens": tokens,
-                    "requests": (requests, 6 * requests),
-                }
-            )
+
+            per_request = functools.partial(_per_request, few, many, names, extra)
+            row: dict[str, Any] = {
+                "driver": driver,
+                "process": role if role == "coordinator" else f"{role} rank (mean)",
+                "ranks": len(names) if role != "coordinator" else 1,
+                "ms_per_request": per_request("all"),
+                "writes_per_request": done["writes"] / done["requests"],
+                "staged_per_request": done["staged_chunks"] / done["requests"],
+                "tokens": tokens,
+                "requests": (requests, 6 * requests),
+            }
+            if role != "coordinator":
+                kinds = {kind: per_request(kind) for _, kind in KINDS}
+                row |= {f"{k}_ms": v for k, v in kinds.items()}
+                row["driver_ms"] = row["ms_per_request"] - sum(kinds.values())
+            rows.append(row)
     return rows
+
+
+def _per_request(
+    few: dict[str, dict[str, float]], many: dict[str, dict[str, float]], names: list[str],
+    extra: int, kind: str,
+) -> float:  # fmt: skip
+    """ms of ``kind`` per extra request, the mean over the ranks ``names``."""
+    more = sum(many[n].get(kind, 0.0) - few[n].get(kind, 0.0) for n in names)
+    return more / len(names) / extra * 1e3
+
+
+def _ms(key: str) -> Any:
+    return lambda r: f"{r[key]:.2f}" if key in r else "-"
 
 
 COLUMNS = [
     Column("driver", "driver", width=9, left=True),
     Column("process", "process", width=20, left=True),
     Column("ranks", "ranks", "d", 6),
-    Column("CPU ms/req", "ms_per_request", ".2f", 12),
-    Column("main thread", "main_ms", ".2f", 13),
-    Column("other threads", "other_ms", ".2f", 15),
-    Column("writes/req", "writes_per_request", ".1f", 12),
-    Column("staged/req", "staged_per_request", ".1f", 12),
+    Column("CPU ms/req", "ms_per_request", ".2f", 11),
+    Column("engine", _ms("engine_ms"), width=7),
+    Column("control", _ms("control_ms"), width=8),
+    Column("data", _ms("data_ms"), width=6),
+    Column("pack", _ms("pack_ms"), width=6),
+    Column("driver", _ms("driver_ms"), width=7),
+    Column("zmq", _ms("zmq_ms"), width=6),
+    Column("bench", _ms("bench_ms"), width=6),
+    Column("writes/req", "writes_per_request", ".1f", 11),
+    Column("staged/req", "staged_per_request", ".1f", 11),
 ]
 
 

@@ -44,6 +44,7 @@ from .options import DriverOptions
 from .posted import Done, Posted, Status
 from .rdma import INFINIBAND, rdma_devices
 from .reach import Advertised
+from .threadname import name_thread
 from .worker import BatchWorker, QueuedBatch
 
 CONTRACT_VERSION = 2
@@ -277,6 +278,7 @@ __all__ = [
     "TransferError",
     "XferError",
     "hookimpl",
+    "name_thread",
     "parse_device",
     "rdma_devices",
 ]

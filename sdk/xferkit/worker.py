@@ -41,6 +41,7 @@ from typing import Generic, TypeVar
 from .descriptors import Descriptors
 from .errors import ArgumentError
 from .posted import Posted, Status
+from .threadname import name_thread
 
 log = logging.getLogger("xferkit.worker")
 
@@ -160,6 +161,7 @@ class BatchWorker(Generic[B]):
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        name_thread(threading.current_thread().name)
         if self._nice:
             _lower_priority(self._nice)
         held: list[B | None] = []  # taken from the queue but not fitting the last run

@@ -160,6 +160,7 @@ def test_the_table_names_every_column() -> None:
     assert run.returncode == 0, run.stderr
     for column in (
         "bytes/req", "descs/req", "GB/s", "req/s", "p50 ms", "p99 ms", "staged", "ratio",
+        "CPU s/GB",
     ):  # fmt: skip
         assert column in run.stdout
     assert "loopback tp 1:1 auto" in run.stdout and "checked" in run.stdout

@@ -39,6 +39,12 @@ def test_every_shape_gets_its_rows_and_each_load_is_compared_on_its_own_machine(
         large = r["shape"] == "one large"
         assert r["done"] == (3 if large else 6)
         assert r["verified"] is (None if large else True), r
+        # What the rank processes spent on the measured requests, per role and per GB (read
+        # in the kernel's 10 ms ticks: a role's share of a short row may round to none).
+        used, per = r["cpu_s"], r["cpu_s_per_gb"]
+        assert used["prefill"] >= 0 and used["decode"] >= 0 and sum(used.values()) > 0, r
+        moved = r["gbps"] * r["span_s"]
+        assert per["all"] == pytest.approx((used["prefill"] + used["decode"]) / moved)
     for large, load in zip(rows[0::2], rows[1::2], strict=True):
         assert large["machine"] == load["machine"]
         assert load["vs_large"] == pytest.approx(load["gbps"] / large["gbps"])

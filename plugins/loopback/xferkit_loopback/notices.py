@@ -24,6 +24,8 @@ from collections import deque
 
 import msgspec
 
+from xferkit.driver import name_thread
+
 MAX_QUEUED = 1 << 16
 """Notifications a receiver holds undrained; past it senders wait, then fail saying so."""
 NOTIFY_WAIT_S = 10.0
@@ -172,6 +174,7 @@ def _receive(
     owner: weakref.ref[Mailbox], box: _Inbox, pokes: socket.socket, closing: threading.Event
 ) -> None:
     """Move the socket's queue into the inbox each time a sender found it full."""
+    name_thread("xk-loopback-rx")
     poller = select.poll()
     poller.register(pokes.fileno(), select.POLLIN)
     while not closing.is_set() and owner() is not None:

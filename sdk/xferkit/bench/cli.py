@@ -293,7 +293,8 @@ def _bench(args: argparse.Namespace) -> int:
     out.print(bench_table(results, title))
     out.print(
         "GB/s: bytes of all measured requests over their span (first expect or offer to the "
-        "last DONE); ratio: GB/s over the driver's own 1-descriptor GB/s for a request's bytes"
+        "last DONE); ratio: GB/s over the driver's own 1-descriptor GB/s for a request's bytes; "
+        "CPU s/GB: what every rank process spent over the measured requests, per GB moved"
     )
     out.print(split_table(results, "where a request's time went (p50 ms per stage)"))
     out.print(

@@ -26,6 +26,7 @@ from ..manifest import Manifest, key_label
 from ..planner import Plan, plan
 from ..session import SessionKeys
 from ..testing.reference import RegionSpec
+from . import cpu
 from .errors import CHECK, DRIVER, FAILED, USAGE, BenchError
 from .rank import RankSetup, serve
 from .record import Record, summary
@@ -163,6 +164,13 @@ class Cluster:
     def ranks(self) -> list[_Proc]:
         return self.prefill + self.decode
 
+    def cpu(self) -> dict[str, float] | None:
+        """CPU seconds so far of the prefill and of the decode ranks (each role's processes
+        together, every thread); None where they cannot be read."""
+        prefill = cpu.summed(r.proc.pid for r in self.prefill)
+        decode = cpu.summed(r.proc.pid for r in self.decode)
+        return None if prefill is None or decode is None else {"prefill": prefill, "decode": decode}
+
     def _recv(self, r: _Proc, timeout: float) -> tuple:
         if not r.conn.poll(timeout):
             raise BenchError(FAILED, f"{r.name} did not answer within {timeout:.0f} s")
@@ -200,6 +208,7 @@ class CaseResult:
     readers: dict[str, list[str]]  # decode rank -> the prefill ranks that write into it
     dropped: list[str]
     ceiling: dict[str, float] = field(default_factory=dict)
+    cpu_s: dict[str, float] | None = None  # of the measured requests, per role (``cpu``)
 
     @property
     def measured(self) -> list[Record]:
@@ -219,10 +228,22 @@ class CaseResult:
             **s,
             "ceiling": self.ceiling,
             "ratio": ratio,
+            "cpu_s": self.cpu_s,
+            "cpu_s_per_gb": _per_gb(self.cpu_s, s["gbps"] * s["span_s"]),
             "readers": self.readers,
             "dropped": self.dropped,
             "records": [r.to_json() for r in self.records],
         }
+
+
+def _per_gb(used: dict[str, float] | None, gigabytes: float) -> dict[str, float] | None:
+    """CPU seconds per GB moved, per role and for all ranks together."""
+    if used is None or gigabytes <= 0:
+        return None
+    return {
+        **{role: s / gigabytes for role, s in used.items()},
+        "all": sum(used.values()) / gigabytes,
+    }
 
 
 class _Slots:
@@ -261,6 +282,7 @@ def run_case(
         plans = _plans(cluster)
         runner = _Runner(cluster, work, plans, src_counts, dst_counts, seed)
         records = runner.run(tick)
+        used = runner.cpu_used()
         readers = {
             d.name: [s.name for i, s in enumerate(cluster.prefill) if (i, j) in plans]
             for j, d in enumerate(cluster.decode)
@@ -274,7 +296,7 @@ def run_case(
         )
     finally:
         cluster.close()
-    return CaseResult(case, records, readers, dropped)
+    return CaseResult(case, records, readers, dropped, cpu_s=used)
 
 
 def _plans(cluster: Cluster) -> dict[tuple[int, int], Plan]:
@@ -312,6 +334,7 @@ class _Runner:
         lo = min(work.pages)
         k = work.pages[1] // lo  # prefill pages per decode page: chunks must hold whole ones
         self.multiple = k if work.pages[1] > work.pages[0] else 1
+        self._cpu: list[dict[str, float] | None] = []  # at the warm-up's end, at the last's
 
     def _issue(self, n: int, warmup: bool) -> None:
         work = self.work
@@ -355,6 +378,8 @@ class _Runner:
         issued += 1
         timeout = float(work.session.get("request_timeout_s", 60.0)) + 60.0
         while len(records) < total:
+            if len(records) == 1 and not self._cpu:  # warmed up: the measured window opens
+                self._cpu.append(self.cluster.cpu())
             if len(records) >= 1:
                 while issued < total and len(self.pending) < work.concurrency:
                     self._issue(issued, warmup=False)
@@ -394,6 +419,7 @@ class _Runner:
                     records.append(record)
                     if not record.warmup:
                         tick()
+        self._cpu.append(self.cluster.cpu())
         if work.verify:
             self._audit(timeout)
         for record, request in self.sized:
@@ -403,6 +429,16 @@ class _Runner:
                 record.descriptors += len(d)
                 record.bytes += d.total_bytes
         return records
+
+    def cpu_used(self) -> dict[str, float] | None:
+        """CPU seconds the measured requests cost each role (from the warm-up's end to the
+        last request's), None where it could not be read."""
+        if len(self._cpu) != 2:
+            return None
+        first, last = self._cpu
+        if first is None or last is None:
+            return None
+        return {role: last[role] - first[role] for role in first}
 
     def _audit(self, timeout: float) -> None:
         """Every decode slot is free again, and zero (each checked request's were reset): a

@@ -29,6 +29,7 @@ from ..errors import XferError
 from ..plugins import open_backend
 from ..session import Receive, Send, Session, SessionKeys, State
 from ..testing.reference import RegionSpec
+from ..threadname import name_thread
 from .content import Checker
 from .ranks import build_rank, stage_specs
 
@@ -109,6 +110,7 @@ class _Rank:
             self.send(("done", rid, started, ended, _text(exc), None, routes, {}, {}))
 
     def _report(self) -> None:
+        name_thread("bench-reporter")
         while (handle := self._finished.get()) is not None:
             try:
                 self._done(handle)

@@ -42,7 +42,7 @@ def bench_table(cases: list[dict[str, Any]], title: str) -> Any:
     t = Table(title=title, title_justify="left")
     for name in (
         "case", "bytes/req", "descs/req", "GB/s", "req/s", "p50 ms", "p99 ms",
-        "staged", "wait p99 ms", "memcpy GB/s", "1-desc GB/s", "ratio", "check",
+        "staged", "wait p99 ms", "memcpy GB/s", "1-desc GB/s", "ratio", "CPU s/GB", "check",
     ):  # fmt: skip
         t.add_column(name, justify="left" if name == "case" else "right")
     for c in cases:
@@ -61,6 +61,7 @@ def bench_table(cases: list[dict[str, Any]], title: str) -> Any:
             f"{ceiling.get('memcpy_gbps', 0):.2f}",
             f"{ceiling.get('driver_gbps', 0):.2f}",
             "" if c["ratio"] is None else f"{c['ratio']:.2f}",
+            "" if not c.get("cpu_s_per_gb") else f"{c['cpu_s_per_gb']['all']:.2f}",
             check,
         )
     return t

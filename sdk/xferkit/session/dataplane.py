@@ -30,6 +30,7 @@ from typing import Any
 from ..backend import Backend
 from ..driver import Status
 from ..errors import XferError
+from ..threadname import name_thread
 from ..transfer import Transfer
 from . import actions as act
 from .core import DRAIN_S, log
@@ -177,6 +178,7 @@ class DataPlane:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        name_thread("xk-data")
         poll_at = 0.0
         while True:
             with self._cond:

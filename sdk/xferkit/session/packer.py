@@ -17,6 +17,7 @@ from typing import Any
 
 from ..copier import Copier
 from ..descriptors import Descriptors
+from ..threadname import name_thread
 
 log = logging.getLogger("xferkit.session")
 
@@ -71,6 +72,7 @@ class Packer:
         return pack
 
     def _work(self) -> None:
+        name_thread("xk-pack")
         while (pack := self._queue.get()) is not None:
             began = time.monotonic()
             try:

@@ -26,6 +26,7 @@ import zmq.auth.thread
 from ..backend import Backend
 from ..copier import Copier
 from ..errors import ProtocolError, XferError
+from ..threadname import name_thread
 from . import actions as act
 from . import sockets, wire
 from .core import DRAIN_S, log
@@ -155,6 +156,7 @@ class Shell:
     # -- the control thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        name_thread("xk-control")
         try:
             while not self._pass(0.05):
                 pass
