@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .arguments import expect
+
 _PR_SET_NAME = 15
 _LIMIT = 15
 """Bytes of a name the OS keeps (Linux: 16 with the terminating zero)."""
@@ -23,7 +25,9 @@ if sys.platform.startswith("linux"):
 def name_thread(name: str) -> None:
     """Name the calling thread at the OS: ``name``'s first 15 bytes, a leading ``xferkit-``
     shortened to ``xk-``. Where the platform cannot, nothing happens: a name is for people
-    reading a process, never for correctness."""
+    reading a process, never for correctness. A name that is not a ``str`` is an
+    ``ArgumentError``."""
+    expect(name, str, "name_thread() (the thread's name)")
     if _prctl is not None:
         short = "xk-" + name[8:] if name.startswith("xferkit-") else name
         _prctl(_PR_SET_NAME, ctypes.c_char_p(short.encode()[:_LIMIT]), 0, 0, 0)

@@ -9,12 +9,14 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from xferkit import open_backend
 from xferkit.bench.cpu import threads_s
 from xferkit.copier import CPU
 from xferkit.descriptors import Descriptors
 from xferkit.driver import name_thread
+from xferkit.errors import ArgumentError
 from xferkit.session import Session
 from xferkit.session.packer import Packer
 from xferkit.testing import Reference, gdn_hybrid
@@ -73,3 +75,8 @@ def test_a_name_is_shortened_to_what_the_os_keeps() -> None:
     t.start()
     t.join()
     assert seen == ["xk-loopback-012"]
+
+
+def test_a_name_that_is_not_a_str_is_refused_naming_it() -> None:
+    with pytest.raises(ArgumentError, match="name_thread"):
+        name_thread(b"xk-bytes")  # type: ignore[arg-type]
