@@ -30,4 +30,5 @@ def name_thread(name: str) -> None:
     expect(name, str, "name_thread() (the thread's name)")
     if _prctl is not None:
         short = "xk-" + name[8:] if name.startswith("xferkit-") else name
-        _prctl(_PR_SET_NAME, ctypes.c_char_p(short.encode()[:_LIMIT]), 0, 0, 0)
+        raw = short.encode("utf-8", "replace")[:_LIMIT]  # a lone surrogate cannot encode
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)

@@ -80,3 +80,18 @@ def test_a_name_is_shortened_to_what_the_os_keeps() -> None:
 def test_a_name_that_is_not_a_str_is_refused_naming_it() -> None:
     with pytest.raises(ArgumentError, match="name_thread"):
         name_thread(b"xk-bytes")  # type: ignore[arg-type]
+
+
+def test_a_name_that_cannot_encode_still_names_the_thread() -> None:
+    """A lone surrogate raised UnicodeEncodeError from the thread's first line."""
+    seen: list[str] = []
+
+    def body() -> None:
+        name_thread("xk-\udc80-odd")
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            seen.append(f.read().strip())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == ["xk-?-odd"]
