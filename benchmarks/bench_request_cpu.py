@@ -32,33 +32,14 @@ from xferkit.bench.handoff import Case, Workload, run_case
 from xferkit.bench.models import PRESETS, shaped
 from xferkit.bench.record import summary
 
-KINDS = (  # (what a thread's OS name starts with, its column): the first match counts
-    ("main", "engine"),  # the rank's main thread: the engine's expect, offer, write, wait
-    ("xk-control", "control"),
-    ("xk-data", "data"),
-    ("xk-pack", "pack"),
-    ("ZMQbg", "zmq"),
-    ("bench-", "bench"),
-)
-"""The Session's threads name themselves at the OS (``xferkit.threadname``); every other
-thread of a rank, including any that ended, is the driver's (``all`` less these)."""
-
-
-def _kind(name: str) -> str | None:
-    return next((kind for prefix, kind in KINDS if name.startswith(prefix)), None)
-
 
 def _snapshot() -> dict[str, dict[str, float]]:
-    """Rank name -> CPU seconds per kind of thread and in all; the coordinator's under ''."""
+    """Rank name -> CPU seconds per kind of thread (``cpu.kinds_s``) and in all; the
+    coordinator's under ''."""
     out = {"": {"all": time.process_time()}}
     for proc in mp.active_children():
         if proc.pid is not None and " rank " in proc.name:
-            per: dict[str, float] = {"all": cpu.cpu_s(proc.pid) or 0.0}
-            for name, seconds in cpu.threads_s(proc.pid).items():
-                kind = _kind(name)
-                if kind is not None:
-                    per[kind] = per.get(kind, 0.0) + seconds
-            out[proc.name] = per
+            out[proc.name] = cpu.kinds_s([proc.pid]) or {}
     return out
 
 
@@ -78,11 +59,7 @@ def _measure(
 
     result = run_case(Case(driver, tp), work, tick=tick, ready=lambda: marks.append(_snapshot()))
     first, last = marks
-    used = {
-        name: {k: last[name].get(k, 0.0) - v for k, v in per.items()}
-        | {k: last[name][k] for k in last[name].keys() - per.keys()}  # threads started since
-        for name, per in first.items()
-    }
+    used = {name: {k: v - first[name].get(k, 0.0) for k, v in last[name].items()} for name in first}
     return used, summary(result.measured)
 
 
@@ -119,9 +96,8 @@ def run(
                 "requests": (requests, 6 * requests),
             }
             if role != "coordinator":
-                kinds = {kind: per_request(kind) for _, kind in KINDS}
-                row |= {f"{k}_ms": v for k, v in kinds.items()}
-                row["driver_ms"] = row["ms_per_request"] - sum(kinds.values())
+                row |= {f"{kind}_ms": per_request(kind) for _, kind in cpu.KINDS}
+                row["driver_ms"] = per_request("driver")
             rows.append(row)
     return rows
 

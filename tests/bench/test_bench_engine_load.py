@@ -45,6 +45,12 @@ def test_every_shape_gets_its_rows_and_each_load_is_compared_on_its_own_machine(
         assert used["prefill"] >= 0 and used["decode"] >= 0 and sum(used.values()) > 0, r
         moved = r["gbps"] * r["span_s"]
         assert per["all"] == pytest.approx((used["prefill"] + used["decode"]) / moved)
+        for role, kinds in r["cpu_threads_s"].items():  # split by the threads' OS names
+            assert set(kinds) == {"engine", "control", "data", "pack", "zmq", "bench",
+                                  "driver", "all"}  # fmt: skip
+            assert kinds["all"] == pytest.approx(used[role])
+            parts = sum(v for k, v in kinds.items() if k != "all")
+            assert parts == pytest.approx(kinds["all"], abs=0.05), kinds  # ticks apart
     for large, load in zip(rows[0::2], rows[1::2], strict=True):
         assert large["machine"] == load["machine"]
         assert load["vs_large"] == pytest.approx(load["gbps"] / large["gbps"])

@@ -52,12 +52,33 @@ def threads_s(pid: int) -> dict[str, float]:
     return out
 
 
-def summed(pids: Iterable[int | None]) -> float | None:
-    """CPU seconds of every process in ``pids`` together; None if one cannot be read."""
-    total = 0.0
+KINDS = (  # (what a thread's OS name starts with, its kind): the first match counts
+    ("main", "engine"),  # a rank's main thread: the engine's expect, offer, write, wait
+    ("xk-control", "control"),
+    ("xk-data", "data"),
+    ("xk-pack", "pack"),
+    ("ZMQbg", "zmq"),
+    ("bench-", "bench"),
+)
+"""The Session's threads name themselves at the OS (``xferkit.threadname``). Every other
+thread of a rank, including any that ended, is the driver's: ``driver`` is the process's
+CPU less these."""
+
+
+def kinds_s(pids: Iterable[int | None]) -> dict[str, float] | None:
+    """CPU seconds of every process in ``pids`` together, by kind of thread (``KINDS``, and
+    ``driver``) and in ``all``; None if one cannot be read."""
+    out = {kind: 0.0 for _, kind in KINDS} | {"driver": 0.0, "all": 0.0}
     for pid in pids:
-        s = cpu_s(pid)
-        if s is None:
+        total = cpu_s(pid)
+        if pid is None or total is None:
             return None
-        total += s
-    return total
+        named = 0.0
+        for name, seconds in threads_s(pid).items():
+            kind = next((k for prefix, k in KINDS if name.startswith(prefix)), None)
+            if kind is not None:
+                out[kind] += seconds
+                named += seconds
+        out["all"] += total
+        out["driver"] += max(total - named, 0.0)  # read a moment apart: never below none
+    return out

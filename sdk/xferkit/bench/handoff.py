@@ -164,11 +164,11 @@ class Cluster:
     def ranks(self) -> list[_Proc]:
         return self.prefill + self.decode
 
-    def cpu(self) -> dict[str, float] | None:
+    def cpu_now(self) -> dict[str, dict[str, float]] | None:
         """CPU seconds so far of the prefill and of the decode ranks (each role's processes
-        together, every thread); None where they cannot be read."""
-        prefill = cpu.summed(r.proc.pid for r in self.prefill)
-        decode = cpu.summed(r.proc.pid for r in self.decode)
+        together), by kind of thread (``cpu.kinds_s``); None where they cannot be read."""
+        prefill = cpu.kinds_s(r.proc.pid for r in self.prefill)
+        decode = cpu.kinds_s(r.proc.pid for r in self.decode)
         return None if prefill is None or decode is None else {"prefill": prefill, "decode": decode}
 
     def _recv(self, r: _Proc, timeout: float) -> tuple:
@@ -208,7 +208,7 @@ class CaseResult:
     readers: dict[str, list[str]]  # decode rank -> the prefill ranks that write into it
     dropped: list[str]
     ceiling: dict[str, float] = field(default_factory=dict)
-    cpu_s: dict[str, float] | None = None  # of the measured requests, per role (``cpu``)
+    cpu_threads: dict[str, dict[str, float]] | None = None  # measured: role -> kind -> s
 
     @property
     def measured(self) -> list[Record]:
@@ -217,6 +217,8 @@ class CaseResult:
     def to_json(self) -> dict[str, Any]:
         c = self.case
         s = summary(self.measured)
+        threads = self.cpu_threads
+        used = None if threads is None else {role: k["all"] for role, k in threads.items()}
         ratio = s["gbps"] / self.ceiling["driver_gbps"] if self.ceiling else None
         return {
             "label": c.label,
@@ -228,8 +230,9 @@ class CaseResult:
             **s,
             "ceiling": self.ceiling,
             "ratio": ratio,
-            "cpu_s": self.cpu_s,
-            "cpu_s_per_gb": _per_gb(self.cpu_s, s["gbps"] * s["span_s"]),
+            "cpu_s": used,
+            "cpu_s_per_gb": _per_gb(used, s["gbps"] * s["span_s"]),
+            "cpu_threads_s": threads,
             "readers": self.readers,
             "dropped": self.dropped,
             "records": [r.to_json() for r in self.records],
@@ -296,7 +299,7 @@ def run_case(
         )
     finally:
         cluster.close()
-    return CaseResult(case, records, readers, dropped, cpu_s=used)
+    return CaseResult(case, records, readers, dropped, cpu_threads=used)
 
 
 def _plans(cluster: Cluster) -> dict[tuple[int, int], Plan]:
@@ -334,7 +337,7 @@ class _Runner:
         lo = min(work.pages)
         k = work.pages[1] // lo  # prefill pages per decode page: chunks must hold whole ones
         self.multiple = k if work.pages[1] > work.pages[0] else 1
-        self._cpu: list[dict[str, float] | None] = []  # at the warm-up's end, at the last's
+        self._cpu: list[dict[str, dict[str, float]] | None] = []  # warm-up's end, last's
 
     def _issue(self, n: int, warmup: bool) -> None:
         work = self.work
@@ -379,7 +382,7 @@ class _Runner:
         timeout = float(work.session.get("request_timeout_s", 60.0)) + 60.0
         while len(records) < total:
             if len(records) == 1 and not self._cpu:  # warmed up: the measured window opens
-                self._cpu.append(self.cluster.cpu())
+                self._cpu.append(self.cluster.cpu_now())
             if len(records) >= 1:
                 while issued < total and len(self.pending) < work.concurrency:
                     self._issue(issued, warmup=False)
@@ -419,7 +422,7 @@ class _Runner:
                     records.append(record)
                     if not record.warmup:
                         tick()
-        self._cpu.append(self.cluster.cpu())
+        self._cpu.append(self.cluster.cpu_now())
         if work.verify:
             self._audit(timeout)
         for record, request in self.sized:
@@ -430,15 +433,18 @@ class _Runner:
                 record.bytes += d.total_bytes
         return records
 
-    def cpu_used(self) -> dict[str, float] | None:
-        """CPU seconds the measured requests cost each role (from the warm-up's end to the
-        last request's), None where it could not be read."""
+    def cpu_used(self) -> dict[str, dict[str, float]] | None:
+        """CPU seconds the measured requests cost each role by kind of thread (from the
+        warm-up's end to the last request's), None where it could not be read."""
         if len(self._cpu) != 2:
             return None
         first, last = self._cpu
         if first is None or last is None:
             return None
-        return {role: last[role] - first[role] for role in first}
+        return {
+            role: {kind: last[role][kind] - was for kind, was in kinds.items()}
+            for role, kinds in first.items()
+        }
 
     def _audit(self, timeout: float) -> None:
         """Every decode slot is free again, and zero (each checked request's were reset): a

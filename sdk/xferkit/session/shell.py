@@ -155,6 +155,11 @@ class Shell:
 
     # -- the control thread ------------------------------------------------------------
 
+    @property
+    def _core(self) -> Protocol:
+        assert self.protocol is not None  # start() sets it before the thread runs
+        return self.protocol
+
     def _run(self) -> None:
         name_thread("xk-control")
         try:
@@ -175,8 +180,7 @@ class Shell:
     def _pass(self, most_s: float) -> bool:
         """One pass of the control thread: wait up to ``most_s`` for something to do, then
         messages, notifications, commands and timers; True once a command closed the session."""
-        p = self.protocol
-        assert p is not None
+        p = self._core
         # Commands left over by the last pass's budget: no wait.
         wait = 0.0 if self.commands else max(p.next_deadline() - time.monotonic(), 0.0)
         if self._poll_notes and p.incoming.recvs:
@@ -207,8 +211,7 @@ class Shell:
 
     def _run_commands(self) -> bool:
         """Run the queued commands; True when one was ``close``."""
-        p = self.protocol
-        assert p is not None
+        p = self._core
         while True:
             with self.lock:
                 if not self.commands:
@@ -233,8 +236,7 @@ class Shell:
                 log.exception("%s: command %s failed", self.where, kind)
 
     def _close(self, why: str, drain_s: float = DRAIN_S) -> None:
-        p = self.protocol
-        assert p is not None
+        p = self._core
         self._closing = True
         self._apply(p.close(why, time.monotonic()))
         self._flush()
@@ -254,8 +256,7 @@ class Shell:
         time.sleep(0.05)  # let the byes leave before the sockets close
 
     def _drain_router(self) -> None:
-        p = self.protocol
-        assert p is not None
+        p = self._core
         more = True  # the poll said a message waits: asking again first would cost a call
         while more and time.monotonic() <= self._until:
             try:
@@ -275,8 +276,7 @@ class Shell:
                 self._apply(p.receive(("down", ident), msg, time.monotonic()))
 
     def _drain_dealers(self, events: dict[Any, int]) -> None:
-        p = self.protocol
-        assert p is not None
+        p = self._core
         for sock in list(events):
             conn = self.dealers.conns.get(sock)
             if conn is not None:
@@ -298,8 +298,7 @@ class Shell:
                 self._on_monitor(sock, conn)
 
     def _on_monitor(self, mon: zmq.Socket[Any], conn: act.Conn) -> None:
-        p = self.protocol
-        assert p is not None
+        p = self._core
         for event in sockets.monitor_events(mon):
             if self.dealers.socks.get(conn) is None:
                 return
@@ -318,8 +317,7 @@ class Shell:
             return None
 
     def _drain_notifications(self) -> bool:  # whether there were any
-        p = self.protocol
-        assert p is not None
+        p = self._core
         try:
             notes = self.backend.notifications()
         except XferError as exc:
@@ -397,6 +395,5 @@ class Shell:
     def _open(self, conn: act.Conn) -> None:
         refused = self.dealers.open(conn)
         if refused is not None:
-            p = self.protocol
-            assert p is not None
+            p = self._core
             self._apply(p.refused(conn, refused, time.monotonic()))
