@@ -61,20 +61,25 @@ def test_the_pack_worker_is_named_once_it_starts() -> None:
         packer.stop()
 
 
-def test_a_name_is_shortened_to_what_the_os_keeps() -> None:
-    """``xferkit-`` becomes ``xk-`` and the rest is cut at 15 bytes (Linux keeps 16 with the
-    terminating zero): the name a driver's ``BatchWorker`` thread gets from its Python name."""
+def _os_name_after(name: str) -> list[str]:
+    """What the OS calls a new thread that named itself ``name`` (nothing if it raised)."""
     seen: list[str] = []
 
     def body() -> None:
-        name_thread("xferkit-loopback-0123456789")
+        name_thread(name)
         with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
             seen.append(f.read().strip())
 
     t = threading.Thread(target=body)
     t.start()
     t.join()
-    assert seen == ["xk-loopback-012"]
+    return seen
+
+
+def test_a_name_is_shortened_to_what_the_os_keeps() -> None:
+    """``xferkit-`` becomes ``xk-`` and the rest is cut at 15 bytes (Linux keeps 16 with the
+    terminating zero): the name a driver's ``BatchWorker`` thread gets from its Python name."""
+    assert _os_name_after("xferkit-loopback-0123456789") == ["xk-loopback-012"]
 
 
 def test_a_name_that_is_not_a_str_is_refused_naming_it() -> None:
@@ -84,14 +89,4 @@ def test_a_name_that_is_not_a_str_is_refused_naming_it() -> None:
 
 def test_a_name_that_cannot_encode_still_names_the_thread() -> None:
     """A lone surrogate raised UnicodeEncodeError from the thread's first line."""
-    seen: list[str] = []
-
-    def body() -> None:
-        name_thread("xk-\udc80-odd")
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
-            seen.append(f.read().strip())
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join()
-    assert seen == ["xk-?-odd"]
+    assert _os_name_after("xk-\udc80-odd") == ["xk-?-odd"]
